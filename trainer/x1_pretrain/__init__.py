@@ -1,0 +1,1 @@
+"""X1 trainer: data, model, the training loop, and the run's artifacts."""

@@ -1,0 +1,122 @@
+"""Parameters, FLOPs, MFU, throughput tables and the Chinchilla prediction — no torch needed.
+
+FLOPs per token follow PaLM (Chowdhery 2022, App. B): 6 * N_matmul + 12 * n_layer * d_model * seq_len,
+N_matmul counting every weight used in a matmul (the output head too; the embedding lookup and the
+norm weights not). The head counts the real vocabulary: padded rows do no useful work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from x1_pretrain.config import ModelConfig
+
+# Datasheet dense bf16 peaks, TFLOP/s (SPEC §4). PCIe parts run at lower clocks and power.
+GPU_PEAK_TFLOPS = {
+    "a100-40gb": 312.0,
+    "a100-80gb": 312.0,
+    "h100-sxm": 989.0,
+    "h100-pcie": 756.0,
+    "h200": 989.0,
+    "cpu": 0.0,
+}
+
+GPU_DISPLAY = {
+    "a100-40gb": "A100 40GB",
+    "a100-80gb": "A100 80GB",
+    "h100-sxm": "H100 80GB SXM",
+    "h100-pcie": "H100 80GB PCIe",
+    "h200": "H200 141GB",
+}
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_sec: float
+    source: str  # how we know: "measured ..." or "estimate ..."
+
+
+# Tokens/s of the 50M config (micro-batch 32 x 1024) per GPU. H200: measured on the device (see
+# docs/PERFORMANCE.md for date and command). Others: the same MFU on the datasheet peak, labelled
+# as estimates. Never the seed's 500k on an A100: that would be 98% of its peak.
+_MEASURED = {
+    "h200": Throughput(626_000.0, "measured: plain reference on one H200, 2026-12-01 (ANCHORS.md)"),
+}
+_MEASURED_MFU_DATASHEET = 0.385  # that measurement over the 989 TFLOP/s datasheet peak
+_MEASURED_FLOPS_PER_TOKEN = 609.1e6
+
+
+def tokens_per_sec_table() -> dict[str, Throughput]:
+    table = dict(_MEASURED)
+    for gpu, peak in GPU_PEAK_TFLOPS.items():
+        if gpu in table or peak <= 0:
+            continue
+        tps = _MEASURED_MFU_DATASHEET * peak * 1e12 / _MEASURED_FLOPS_PER_TOKEN
+        table[gpu] = Throughput(round(tps, -3), f"estimate: H200-measured MFU {_MEASURED_MFU_DATASHEET} x {peak:.0f} TFLOP/s datasheet")
+    return table
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = d * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.n_head * hd * d
+    mlp = 3 * d * cfg.d_ff
+    norms = 2 * d
+    per_layer = attn + mlp + norms
+    non_embedding = cfg.n_layer * per_layer + d  # + final norm
+    embedding = cfg.vocab_size * d  # tied: the head is this same matrix
+    return {
+        "non_embedding": non_embedding,
+        "embedding": embedding,
+        "total": non_embedding + embedding,
+        "matmul": cfg.n_layer * (attn + mlp) + embedding,  # every weight used in a matmul, head incl.
+        "padded_rows": (cfg.padded_vocab_size - cfg.vocab_size) * d,
+    }
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    return 6.0 * param_counts(cfg)["matmul"] + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def mfu(tokens_per_sec: float, cfg: ModelConfig, peak_tflops: float) -> float:
+    if peak_tflops <= 0:
+        return 0.0
+    return tokens_per_sec * flops_per_token(cfg) / (peak_tflops * 1e12)
+
+
+def detect_gpu_key(device_name: str) -> str | None:
+    """Map torch.cuda.get_device_name() to a peak-table key."""
+    n = device_name.lower()
+    if "h200" in n:
+        return "h200"
+    if "h100" in n:
+        return "h100-pcie" if "pcie" in n else "h100-sxm"
+    if "a100" in n:
+        return "a100-40gb" if "40gb" in n else "a100-80gb"
+    return None
+
+
+# Hoffmann et al. 2022 ("Chinchilla"), approach 3 fit. Fitted on MassiveText with a
+# SentencePiece tokenizer: on FineWeb-Edu with GPT-2 BPE it is a guide, not a promise.
+CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+
+
+def chinchilla_loss(n_params: float, n_tokens: float) -> float:
+    """Predicted loss; N counts all parameters, embeddings included (Hoffmann's convention)."""
+    c = CHINCHILLA
+    return c["E"] + c["A"] / n_params ** c["alpha"] + c["B"] / max(n_tokens, 1.0) ** c["beta"]
+
+
+def chinchilla_optimal_tokens(n_params: float) -> float:
+    """Tokens for which `n_params` is the fit's compute-optimal size (C = 6 N D)."""
+    # Hoffmann eq. 4: N_opt(C) = G (C/6)^a with a = beta/(alpha+beta); invert for C, D = C/(6N).
+    c = CHINCHILLA
+    a = c["beta"] / (c["alpha"] + c["beta"])
+    g = (c["alpha"] * c["A"] / (c["beta"] * c["B"])) ** (1.0 / (c["alpha"] + c["beta"]))
+    return (n_params / g) ** (1.0 / a) / n_params
+
+
+def fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{1 if abs(n) / scale < 100 else 0}f}{unit}"
+    return f"{n:.0f}"

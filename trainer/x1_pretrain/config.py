@@ -1,0 +1,326 @@
+"""The run config: one typed section per concern, loaded from YAML, overridden from the command line.
+
+    cfg = load_config("configs/x1-50m-a100.yaml", sets=["optim.lr=1e-3"])
+
+Every field says its unit and why its default. Unknown keys, wrong types and impossible values
+raise ConfigError naming the field (the commands turn it into exit 2). Derived values (head dim,
+padded vocab, gradient accumulation) are computed here and nowhere else. `config_hash` covers what
+defines the run's math, so a resume with a different optimizer, schedule or model is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message starts with the dotted field name."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The 50M Llama-style decoder of SPEC §4, under the seed's hyperparameter names."""
+
+    n_layer: int = Field(8, ge=1, description="transformer blocks")
+    d_model: int = Field(768, ge=8, description="residual width")
+    n_head: int = Field(12, ge=1, description="query heads; head dim = d_model / n_head")
+    n_kv_head: int = Field(4, ge=1, description="key/value heads (GQA): groups of n_head / n_kv_head share K/V")
+    d_ff: int = Field(2048, ge=1, description="SwiGLU hidden width (~2.7 x d_model)")
+    seq_len: int = Field(1024, ge=2, description="context length in tokens")
+    vocab_size: int = Field(50257, ge=2, description="GPT-2 BPE")
+    pad_vocab_to_multiple_of: int = Field(
+        64, ge=1, description="embedding rows padded up (50257 -> 50304) for tensor-core-sized matmuls; padded logits never count"
+    )
+    norm: Literal["rmsnorm"] = "rmsnorm"
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon (Llama's)")
+    act: Literal["swiglu"] = "swiglu"
+    pos_enc: Literal["rope"] = "rope"
+    rope_base: float = Field(10000.0, gt=0, description="RoPE theta")
+    init_std: float = Field(0.02, gt=0, description="std of the normal init of every matrix (GPT-2 / Llama)")
+    scaled_residual_init: bool = Field(
+        False, description="GPT-2's std / sqrt(2 n_layer) for the residual output projections; off = the seed's plain 0.02"
+    )
+    tie_embeddings: Literal[True] = Field(True, description="output head shares the input embedding (88.9M total)")
+    attention: Literal["auto", "sdpa", "flash-attn"] = Field(
+        "auto", description="auto: flash_attn_func when flash-attn imports on a GPU, else PyTorch SDPA"
+    )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_to_multiple_of
+        return (self.vocab_size + m - 1) // m * m
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"n_head: {self.n_head} does not divide d_model={self.d_model}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head: {self.n_kv_head} does not divide n_head={self.n_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"n_head: head dim d_model / n_head = {self.head_dim} must be even for RoPE")
+        return self
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warmup and cosine decay (the seed's table)."""
+
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (Llama-2's)")
+    min_lr: float = Field(3e-5, ge=0, description="floor of the cosine decay, reached at the last step")
+    warmup_steps: int = Field(1000, ge=0, description="linear warmup from 0, in optimizer steps")
+    schedule: Literal["cosine"] = "cosine"
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1, description="0.95 rather than 0.999: damps spikes faster (PaLM)")
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0, description="on matrices only, never on norms or the embedding")
+    grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
+    fused: Literal["auto", "on", "off"] = Field("auto", description="fused AdamW kernel: auto = on CUDA")
+
+    @model_validator(mode="after")
+    def _lrs(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr: {self.min_lr} is above lr={self.lr}")
+        return self
+
+
+class TrainConfig(_Section):
+    tokens_per_step: int = Field(524288, ge=1, description="tokens per optimizer step (512K); fixed whatever the world size")
+    micro_batch_size: int = Field(32, ge=1, description="sequences per forward pass on one GPU; accumulation = the rest")
+    total_steps: int = Field(84000, ge=1, description="optimizer steps; the cosine ends here (--total-steps)")
+    seed: int = Field(42, ge=0, description="model init and data order")
+    precision: Literal["bf16-mixed", "fp32"] = Field(
+        "bf16-mixed", description="bf16 autocast over fp32 master weights; fp32 for CPU tests"
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: cuda when available")
+    compile: bool = Field(True, description="torch.compile the model; falls back to eager, and says so, if it fails")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="default: max-autotune measured no faster on this model for minutes more compile"
+    )
+    loss_impl: Literal["auto", "torch", "fused"] = Field(
+        "auto", description="cross-entropy: fused = our Triton kernel over bf16 logits (CUDA); auto picks it on CUDA"
+    )
+    log_every: int = Field(10, ge=1, description="steps between metric logs (--log-every)")
+    eval_every: int = Field(1800, ge=1, description="steps between val evals (--eval-every)")
+    eval_windows: int = Field(128, ge=1, description="fixed val windows per eval (x seq_len tokens)")
+    min_tokens_per_sec: float = Field(
+        300_000, ge=0, description="warn when under this during the first hour (the seed's A100 floor)"
+    )
+    max_nonfinite_in_row: int = Field(5, ge=1, description="non-finite steps in a row before exit 79")
+    spike_factor: float = Field(1.5, gt=1, description="a loss over factor x its EMA is a spike")
+    spike_ema_beta: float = Field(0.98, gt=0, lt=1, description="EMA of the loss the detector compares against")
+    distributed: Literal["ddp", "fsdp2"] = Field("ddp", description="under torchrun: DDP, or FSDP2 fully_shard")
+
+    def grad_accum(self, seq_len: int, world_size: int = 1) -> int:
+        per_pass = self.micro_batch_size * seq_len * world_size
+        if self.tokens_per_step % per_pass:
+            raise ConfigError(
+                f"train.tokens_per_step: {self.tokens_per_step} is not divisible by micro_batch_size x seq_len x "
+                f"world_size = {self.micro_batch_size} x {seq_len} x {world_size} = {per_pass}"
+            )
+        return self.tokens_per_step // per_pass
+
+
+class DataConfig(_Section):
+    dir: str = Field("/workspace/data/tokenized", description="holds train.bin, val.bin, meta.json (--data-dir)")
+    prefetch: int = Field(4, ge=0, description="micro-batches prepared ahead on a background thread")
+    pin_memory: bool = Field(True, description="page-locked host buffers so the copy to the GPU overlaps compute")
+
+
+class CheckpointConfig(_Section):
+    dir: str = Field("/workspace/checkpoints", description="step_XXXXXXXX/ folders and the latest pointer (--ckpt-dir)")
+    every: int = Field(1800, ge=1, description="steps between checkpoints (--ckpt-every; ~30 min on an A100)")
+    keep_last: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+
+
+class BudgetConfig(_Section):
+    """The guard (SPEC §6). It is on only when cap_usd is set (--budget-cap-usd)."""
+
+    cap_usd: float | None = Field(None, gt=0, description="hard cap; None = guard off")
+    alert_usd: float = Field(30.0, gt=0, description="email + Slack once per crossing")
+    curr_cost_uri: str = Field("/workspace/budget.json", description="budget.json path or the sidecar's /budget URL")
+    check_every_min: float = Field(30.0, gt=0, description="minutes between readings")
+    stale_after_min: float = Field(15.0, gt=0, description="a reading older than this raises a stale-data alert")
+    max_price_usd_per_hr: float = Field(1.40, gt=0, description="the seed's price ceiling for launch")
+    planned_rate_usd_per_hr: float | None = Field(None, gt=0, description="planned price: rate > 1.2x this warns")
+    planned_hours: float | None = Field(None, gt=0, description="planned hours for the pre-launch sentence")
+    first_reading_timeout_min: float = Field(5.0, gt=0, description="wait this long for a first reading, then exit 78")
+
+
+class TrackingConfig(_Section):
+    mlflow_uri: str = Field("file:///workspace/mlruns", description="file://, sqlite:// or http:// (--mlflow-uri)")
+    experiment: str = Field("x1-pretraining", description="MLflow experiment name")
+    run_name: str | None = Field(None, description="MLflow run name; default: config name + start time")
+    metrics_port: int = Field(9791, ge=0, le=65535, description="Prometheus /metrics; 0 disables")
+    heartbeat_file: str = Field("/workspace/logs/heartbeat.json", description="read by the watchdog")
+
+
+class RunConfig(_Section):
+    name: str = Field("x1", description="config name, shown in logs and MLflow")
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    budget: BudgetConfig = BudgetConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _divides(self) -> RunConfig:
+        self.train.grad_accum(self.model.seq_len, 1)  # raises ConfigError naming the field
+        return self
+
+    def grad_accum(self, world_size: int = 1) -> int:
+        return self.train.grad_accum(self.model.seq_len, world_size)
+
+    def math_dict(self) -> dict[str, Any]:
+        """What defines the run's math: model, data order, optimizer, schedule (incl. total steps).
+
+        Not the micro-batch (an OOM fallback halves it, same math), nor paths, ports, logging,
+        compile or checkpoint cadence.
+        """
+        t = self.train
+        return {
+            "model": self.model.model_dump(mode="json", exclude={"attention"}),
+            "optim": self.optim.model_dump(mode="json", exclude={"fused"}),
+            "train": {"tokens_per_step": t.tokens_per_step, "total_steps": t.total_steps, "seed": t.seed,
+                      "precision": t.precision},
+        }
+
+    def config_hash(self) -> str:
+        blob = json.dumps(self.math_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def resolved(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# Seed flags of SPEC §3 → config fields (the train command maps these after --set).
+SEED_FLAGS = {
+    "data_dir": "data.dir",
+    "ckpt_dir": "checkpoint.dir",
+    "mlflow_uri": "tracking.mlflow_uri",
+    "total_steps": "train.total_steps",
+    "ckpt_every": "checkpoint.every",
+    "eval_every": "train.eval_every",
+    "log_every": "train.log_every",
+    "budget_cap_usd": "budget.cap_usd",
+    "budget_curr_cost_uri": "budget.curr_cost_uri",
+    "budget_alert_usd": "budget.alert_usd",
+    "budget_check_every_min": "budget.check_every_min",
+    "budget_stale_after_min": "budget.stale_after_min",
+    "max_price_usd_per_hr": "budget.max_price_usd_per_hr",
+    "planned_rate_usd_per_hr": "budget.planned_rate_usd_per_hr",
+    "planned_hours": "budget.planned_hours",
+    "metrics_port": "tracking.metrics_port",
+    "heartbeat_file": "tracking.heartbeat_file",
+}
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node: Any = tree
+    model: type[BaseModel] = RunConfig
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            where = ".".join(parts[:i]) or "the config"
+            known = ", ".join(model.model_fields)
+            raise ConfigError(f"{dotted}: unknown field {part!r} in {where} (known: {known})")
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        annotation = field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            raise ConfigError(f"{dotted}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {'.'.join(parts[: i + 1])} must be a mapping")
+        model = annotation
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """`section.field=value`, the value read as YAML (so 1e-3, true, null and [1, 2] work)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.field=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot read value {raw!r}: {e}") from e
+    return key.strip(), value
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = [str(p) for p in err["loc"]]
+        msg = err["msg"].removeprefix("Value error, ")
+        # Cross-field checks name their field first ("n_head: 7 does not divide ..."): fold it into loc.
+        head, sep, rest = msg.partition(": ")
+        if sep and head.replace("_", "").replace(".", "").isalnum() and " " not in head:
+            loc, msg = [*loc, head] if "." not in head else [head], rest
+        loc = ".".join(loc) or "config"
+        got = err.get("input")
+        tail = "" if isinstance(got, dict) or err["type"] in ("missing", "value_error") else f" (got {got!r})"
+        lines.append(f"{loc}: {msg}{tail}")
+    return "; ".join(lines)
+
+
+def build_config(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    sets: list[str] | tuple[str, ...] = (),
+    overrides: dict[str, Any] | None = None,
+) -> RunConfig:
+    """YAML file, then `--set` items, then explicit dotted overrides (the seed's flags)."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"config file {p}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping of sections")
+        tree = loaded
+        tree.setdefault("name", p.stem)
+    for item in sets:
+        key, value = parse_set(item)
+        _set_path(tree, key, value)
+    for key, value in (overrides or {}).items():
+        _set_path(tree, key, value)
+    return build_config(tree)
+
+
+def config_from_dict(resolved: dict[str, Any]) -> RunConfig:
+    """Rebuild a config saved by `RunConfig.resolved()` (checkpoints, safetensors metadata)."""
+    return build_config(resolved)
+
+
+def model_config_from_json(text: str) -> ModelConfig:
+    try:
+        return ModelConfig.model_validate(json.loads(text))
+    except (ValidationError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model config in weights file: {e}") from None

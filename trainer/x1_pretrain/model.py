@@ -1,0 +1,221 @@
+"""The 50M Llama-style decoder (SPEC §4): RMSNorm, SwiGLU, RoPE, grouped-query attention, tied
+embedding and head, vocab padded to a tensor-core-friendly size.
+
+Parameter names are plain and stable (`tok_emb.weight`, `layers.3.attn.wqkv.weight`, ...): they
+are the names in model.safetensors. Q, K and V share one matmul (`wqkv`), gate and up share one
+(`w_gate_up`): fewer, larger kernels. RoPE uses the rotate-half layout of Hugging Face's Llama, so
+the export needs no permutation of the Q/K rows.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from x1_pretrain.config import ModelConfig
+
+try:  # flash-attn ships in the NGC image; elsewhere SDPA does the same math
+    from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+except Exception:  # noqa: BLE001 - an ImportError, or a CUDA/driver mismatch at import
+    flash_attn_func = None
+
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
+    """'flash-attn' or 'sdpa', honouring the config and what this machine can do."""
+    if cfg.attention == "sdpa" or device.type != "cuda":
+        return "sdpa"
+    if flash_attn_func is None:
+        if cfg.attention == "flash-attn":
+            warnings.warn("attention=flash-attn but flash-attn does not import here: using PyTorch SDPA", stacklevel=2)
+        return "sdpa"
+    return "flash-attn"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the autocast dtype, as Llama does; the compiler fuses the casts.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, base: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_len, head_dim), rotate-half layout (angle i repeated at i and i + hd/2)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    t = torch.arange(max_len, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, H, hd); cos/sin: (T, hd) broadcast over batch and heads
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for generation."""
+
+    k: list[torch.Tensor]  # per layer (B, max_len, n_kv_head, hd)
+    v: list[torch.Tensor]
+    pos: int = 0
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> KVCache:
+        shape = (batch, max_len, cfg.n_kv_head, cfg.head_dim)
+        return cls(
+            k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+            v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.backend = "sdpa"
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), cos, sin)  # (B, T, H, hd)
+        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), cos, sin)  # (B, T, Hkv, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim)
+        start = 0
+        if cache is not None:
+            start = cache.pos
+            cache.k[layer][:, start : start + T] = k
+            cache.v[layer][:, start : start + T] = v
+            k, v = cache.k[layer][:, : start + T], cache.v[layer][:, : start + T]
+        if self.backend == "flash-attn" and cache is None:
+            y = flash_attn_func(q, k, v, causal=True)  # takes (B, T, H, hd), GQA natively
+        else:
+            y = self._sdpa(q, k, v, start)
+        return self.wo(y.reshape(B, T, self.n_head * self.head_dim))
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        T, S = q.size(2), k.size(2)
+        if self.n_kv_head != self.n_head and not _SDPA_HAS_GQA:  # torch < 2.5
+            rep = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = {"enable_gqa": True} if (self.n_kv_head != self.n_head and _SDPA_HAS_GQA) else {}
+        if start == 0 or T == 1:
+            # No cache, or one new token that may see everything before it: plain causal / no mask.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=(start == 0 and T > 1), **gqa)
+        else:  # several new tokens after a cached prefix: causal mask offset by `start`
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        return y.transpose(1, 2)  # (B, T, H, hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        cfg = self.cfg
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # norm weights stay at one
+            std = cfg.init_std
+            if cfg.scaled_residual_init and name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+            nn.init.normal_(p, mean=0.0, std=std)
+        with torch.no_grad():  # padded rows: never an input, their logits are masked out
+            self.tok_emb.weight[cfg.vocab_size :].zero_()
+
+    def set_attention_backend(self, backend: str) -> None:
+        for block in self.layers:
+            block.attn.backend = backend
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final normed hidden states (B, T, d_model)."""
+        T = idx.size(1)
+        start = cache.pos if cache is not None else 0
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        x = self.tok_emb(idx)
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.pos += T
+        return self.norm(x)
+
+    def logits(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits over the real vocabulary (B, T, vocab_size); padded rows are dropped."""
+        h = self.hidden(idx, cache)
+        return F.linear(h, self.tok_emb.weight[: self.cfg.vocab_size])
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in fp32. idx, targets: (B, T) int64."""
+        h = self.hidden(idx)
+        logits = F.linear(h, self.tok_emb.weight)  # (B, T, padded V); tied head
+        # Padded columns never count: slice them off before the softmax. The compiler fuses the
+        # slice and the fp32 upcast into the cross-entropy kernel.
+        logits = logits[..., : self.cfg.vocab_size].float()
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay on matrices; none on norms and the (tied) embedding (SPEC §5)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "tok_emb" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

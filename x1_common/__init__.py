@@ -1,0 +1,1 @@
+"""Small pieces every X1 service shares. Standard library only (httpx is imported lazily)."""
