@@ -5,6 +5,10 @@ One `model.safetensors` or `final.safetensors` is enough to rebuild the model (S
     model = model_from_weights("checkpoints/final.safetensors")
 
 Compile and DDP wrappers add prefixes (`_orig_mod.`, `module.`); they never reach the file.
+
+All our metadata sits under one key, "x1", as sorted JSON: safetensors writes its metadata map in
+an order that changes from process to process, and a file must come out byte-identical every time
+it is written from the same weights (bit-exact resume, the DoD's round trip).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,8 +25,7 @@ from safetensors.torch import save as safetensors_bytes
 from x1_common.fsutil import write_bytes_atomic
 from x1_pretrain.config import ConfigError, ModelConfig, model_config_from_json
 
-MODEL_CONFIG_KEY = "x1.model_config"
-FORMAT_KEY = "x1.format"
+METADATA_KEY = "x1"
 FORMAT = "x1-llama-v1"
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.")
 
@@ -37,30 +41,36 @@ def plain_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {plain_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
 
 
-def weights_bytes(state: dict[str, torch.Tensor], model_cfg: ModelConfig, extra: dict[str, str] | None = None) -> bytes:
-    metadata = {FORMAT_KEY: FORMAT, MODEL_CONFIG_KEY: model_cfg.model_dump_json(), **(extra or {})}
-    return safetensors_bytes(plain_state_dict(state), metadata=metadata)
+def weights_bytes(state: dict[str, torch.Tensor], model_cfg: ModelConfig, extra: dict[str, Any] | None = None) -> bytes:
+    meta = {"format": FORMAT, "model_config": model_cfg.model_dump(mode="json"), **(extra or {})}
+    return safetensors_bytes(plain_state_dict(state), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
 
 def save_weights(path: str | os.PathLike[str], state: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                 extra: dict[str, str] | None = None) -> None:
+                 extra: dict[str, Any] | None = None) -> None:
     write_bytes_atomic(path, weights_bytes(state, model_cfg, extra))
 
 
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Our metadata ({"format", "model_config", "step", ...}); {} for a file that has none."""
     with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+        raw = (f.metadata() or {}).get(METADATA_KEY)
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: unreadable {METADATA_KEY!r} metadata: {e}") from None
 
 
-def load_weights(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, str]]:
+def load_weights(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """(state dict, model config, metadata). Raises ConfigError when the file carries no config."""
     path = resolve_weights_path(path)
+    metadata = read_metadata(path)
+    if "model_config" not in metadata:
+        raise ConfigError(f"{path}: no model config in the safetensors metadata; not an X1 weights file")
+    cfg = model_config_from_json(json.dumps(metadata["model_config"]))
     with safe_open(str(path), framework="pt") as f:
-        metadata = dict(f.metadata() or {})
         state = {k: f.get_tensor(k) for k in f.keys()}
-    if MODEL_CONFIG_KEY not in metadata:
-        raise ConfigError(f"{path}: no {MODEL_CONFIG_KEY} in the safetensors metadata; not an X1 weights file")
-    return state, model_config_from_json(metadata[MODEL_CONFIG_KEY]), metadata
+    return state, cfg, metadata
 
 
 def resolve_weights_path(path: str | os.PathLike[str]) -> Path:
@@ -87,8 +97,3 @@ def model_from_weights(path: str | os.PathLike[str], device: str | torch.device 
     model = Transformer(cfg)
     model.load_state_dict(state, strict=True)
     return model.to(device)
-
-
-def describe(path: str | os.PathLike[str]) -> dict:
-    meta = read_metadata(path)
-    return {k: (json.loads(v) if k == MODEL_CONFIG_KEY else v) for k, v in meta.items()}

@@ -1,0 +1,316 @@
+"""Where the numbers go: MLflow (batched, off the training thread), Prometheus, the heartbeat file.
+
+The training loop calls `sink.log(step, {...})` and never waits on the network. A tracking
+server that goes away mid-run costs nothing: metrics stay buffered and arrive when it is back;
+what is still unsent at exit is spooled to disk and replayed by the next start of the same run.
+On ranks other than 0 every sink is a no-op object, so the loop never asks "am I rank 0?".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from x1_common import contracts as C
+from x1_common.contracts import redact
+from x1_common.fsutil import write_json_atomic, write_text_atomic
+
+log = logging.getLogger("x1.tracking")
+
+# Our own thread retries; MLflow's client must fail fast instead of sleeping through its own
+# backoff (7 retries by default) while the buffer fills.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+_BATCH = 1000  # MLflow's log_batch limit for metrics
+_PARAM_BATCH = 100
+
+
+class MlflowLogger:
+    """One MLflow run, fed through a queue by the training loop and written by a daemon thread."""
+
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        *,
+        run_id: str | None,
+        run_name: str,
+        params: dict[str, str],
+        tags: dict[str, str],
+        spool_path: Path,
+        on_run_id: Callable[[str], None] = lambda run_id: None,
+        flush_seconds: float = 2.0,
+    ):
+        self.uri, self.experiment, self.run_name = uri, experiment, run_name
+        self.run_id = run_id
+        self._resumed = run_id is not None  # an existing run: mark it RUNNING again at first contact
+        self._params, self._tags = params, dict(tags)
+        self._spool = spool_path
+        self._on_run_id = on_run_id
+        self._flush_seconds = flush_seconds
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._pending: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
+        self._pending_tags: dict[str, str] = {}
+        self._lock = threading.Lock()  # _pending is appended here and sent by the thread
+        self._status: str | None = None
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._failures = 0
+        self._thread = threading.Thread(target=self._run, name="mlflow-logger", daemon=True)
+        self._replay_spool()
+
+    # -- called from the training loop (never blocks on the network) --
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        ts = int(time.time() * 1000)
+        self._queue.put(("metrics", [(k, float(v), ts, step) for k, v in metrics.items()]))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self._queue.put(("tags", dict(tags)))
+
+    def close(self, status: str, timeout: float) -> bool:
+        """Flush for at most `timeout` seconds; spool what is left. True when everything was sent."""
+        self._queue.put(("status", status))
+        self._stop.set()
+        self._thread.join(timeout=timeout)
+        self._drain_queue()
+        sent = not self._pending and not self._pending_tags and self._status is None
+        if not sent:
+            self._write_spool()
+            log.warning("MLflow unreachable at exit: %d metrics spooled to %s; the next start of this run sends them",
+                        len(self._pending), self._spool)
+        return sent
+
+    # -- the thread --
+
+    def _run(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.uri)
+        backoff = 1.0
+        last_flush = 0.0
+        while True:
+            stopping = self._stop.is_set()
+            self._drain_queue(block_seconds=0.0 if stopping else 0.2)
+            due = stopping or time.monotonic() - last_flush >= self._flush_seconds or len(self._pending) >= _BATCH
+            if due:
+                try:
+                    self._ensure_run(client)
+                    self._flush(client)
+                    last_flush, backoff = time.monotonic(), 1.0
+                    if self._failures:
+                        log.info("MLflow reachable again; buffered metrics sent")
+                    self._failures = 0
+                except Exception as e:  # noqa: BLE001 - any tracking failure: keep training, keep buffering
+                    self._failures += 1
+                    if self._failures in (1, 10) or self._failures % 100 == 0:
+                        log.warning("MLflow at %s not reachable (%s); %d metrics buffered, retrying",
+                                    redact(self.uri), redact(str(e))[:200], len(self._pending))
+                    if stopping:
+                        return
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    continue
+            if stopping and not self._pending and not self._pending_tags and self._status is None:
+                return
+
+    def _drain_queue(self, block_seconds: float = 0.0) -> None:
+        try:
+            item = self._queue.get(timeout=block_seconds) if block_seconds else self._queue.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            with self._lock:
+                if kind == "metrics":
+                    self._pending.extend(payload)
+                elif kind == "tags":
+                    self._pending_tags.update(payload)
+                else:
+                    self._status = payload
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _ensure_run(self, client) -> None:
+        from mlflow.entities import Param, RunTag
+
+        if self.run_id is not None:
+            if self._resumed:
+                client.update_run(self.run_id, status="RUNNING")
+                self._resumed = False
+            return
+        exp = client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
+        run = client.create_run(exp_id, run_name=self.run_name, tags=self._tags)
+        params = [Param(k, v) for k, v in self._params.items()]
+        for i in range(0, len(params), _PARAM_BATCH):
+            client.log_batch(run.info.run_id, params=params[i : i + _PARAM_BATCH])
+        client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()][:_PARAM_BATCH])
+        self.run_id = run.info.run_id
+        self._on_run_id(self.run_id)
+
+    def _flush(self, client) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        while True:
+            with self._lock:
+                chunk = self._pending[:_BATCH]
+            if not chunk:
+                break
+            client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in chunk])
+            with self._lock:
+                del self._pending[: len(chunk)]
+        with self._lock:
+            tags, self._pending_tags = self._pending_tags, {}
+        try:
+            items = [RunTag(k, v) for k, v in tags.items()]
+            for i in range(0, len(items), _PARAM_BATCH):
+                client.log_batch(self.run_id, tags=items[i : i + _PARAM_BATCH])
+        except Exception:
+            with self._lock:
+                self._pending_tags = {**tags, **self._pending_tags}
+            raise
+        if self._status is not None:
+            client.set_terminated(self.run_id, status=self._status)
+            self._status = None
+        if self._spool.exists():
+            self._spool.unlink()
+
+    # -- the spool: metrics that outlived their process --
+
+    def _write_spool(self) -> None:
+        with self._lock:
+            lines = [json.dumps({"k": k, "v": v, "t": t, "s": s}) for k, v, t, s in self._pending]
+            header = json.dumps({"run_id": self.run_id, "tags": self._pending_tags})
+        write_text_atomic(self._spool, "\n".join([header, *lines]) + "\n")
+
+    def _replay_spool(self) -> None:
+        if not self._spool.is_file():
+            return
+        try:
+            header, *rows = self._spool.read_text().splitlines()
+            meta = json.loads(header)
+            if meta.get("run_id") not in (None, self.run_id):
+                return
+            self._pending.extend((r["k"], r["v"], r["t"], r["s"]) for r in map(json.loads, rows))
+            self._pending_tags.update(meta.get("tags") or {})
+            log.info("replaying %d spooled metrics from %s", len(rows), self._spool)
+        except (ValueError, KeyError) as e:
+            log.warning("ignoring unreadable metrics spool %s: %s", self._spool, e)
+
+
+class PrometheusMetrics:
+    """The trainer's /metrics. A busy port is a warning, never a failed run."""
+
+    def __init__(self, port: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        g = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
+        self.step = g(C.M_TRAIN_STEP, "optimizer steps completed")
+        self.tokens = Counter(C.M_TRAIN_TOKENS, "tokens trained on (counts from the resumed total)", registry=self.registry)
+        self.tps = g(C.M_TRAIN_TOKENS_PER_SECOND, "training throughput over the last log interval")
+        self.mfu = g(C.M_TRAIN_MFU, "model FLOPs utilization vs the GPU's bf16 peak (PaLM FLOPs)")
+        self.loss = g(C.M_TRAIN_LOSS, "training loss, nats/token")
+        self.val_loss = g(C.M_TRAIN_VAL_LOSS, "validation loss at the last eval, nats/token")
+        self.grad_norm = g(C.M_TRAIN_GRAD_NORM, "global grad norm before clipping")
+        self.lr = g(C.M_TRAIN_LR, "learning rate")
+        self.spent = g(C.M_TRAIN_SPENT, "budget spent as the trainer last judged it (extrapolated), USD")
+        self.ckpt_step = g(C.M_CHECKPOINT_LAST_STEP, "step of the last complete checkpoint")
+        self.ckpt_seconds = g(C.M_CHECKPOINT_SAVE_SECONDS, "seconds the last checkpoint save took")
+        self.port = 0
+        if port:
+            try:
+                start_http_server(port, registry=self.registry)
+                self.port = port
+            except OSError as e:
+                log.warning("metrics port %d unavailable (%s): training continues without /metrics", port, e)
+
+
+class Heartbeat:
+    """{"step", "time", "pid", "phase"} rewritten atomically; the watchdog reads its age."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+
+    def beat(self, step: int, phase: str) -> None:
+        try:
+            write_json_atomic(self.path, {"step": step, "time": time.time(), "pid": os.getpid(), "phase": phase},
+                              durable=False)
+        except OSError as e:
+            log.warning("cannot write heartbeat %s: %s", self.path, e)
+
+    def previous(self) -> C.Heartbeat | None:
+        return C.Heartbeat.read(self.path)
+
+
+class MetricsSink:
+    """What the loop talks to: MLflow + Prometheus + heartbeat on rank 0."""
+
+    def __init__(self, mlflow: MlflowLogger, prom: PrometheusMetrics, heartbeat: Heartbeat):
+        self.mlflow, self.prom, self.heartbeat = mlflow, prom, heartbeat
+
+    @property
+    def run_id(self) -> str | None:
+        return self.mlflow.run_id
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.mlflow.log(step, metrics)
+
+    def tags(self, tags: dict[str, str]) -> None:
+        self.mlflow.set_tags(tags)
+
+    def close(self, status: str, timeout: float) -> None:
+        self.mlflow.close(status, timeout)
+
+
+class NullSink:
+    """Ranks other than 0: the same calls, nothing happens."""
+
+    run_id = None
+
+    def __init__(self) -> None:
+        self.prom = _NullProm()
+        self.heartbeat = _NullHeartbeat()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def close(self, status: str, timeout: float) -> None:
+        pass
+
+
+class _Nothing:
+    def __getattr__(self, name: str) -> _Nothing:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Nothing:
+        return self
+
+
+class _NullProm(_Nothing):
+    pass
+
+
+class _NullHeartbeat:
+    def beat(self, step: int, phase: str) -> None:
+        pass
+
+    def previous(self) -> None:
+        return None

@@ -1,0 +1,772 @@
+"""The trainer: `python -m x1_pretrain.train --config configs/x1-50m-a100.yaml ...` (SPEC §3, §5).
+
+The loop is `train_loop` below, in the order you would check it at hour 14: learning rate →
+forward/backward over the micro-batches → clip → optimizer step → log → eval → checkpoint →
+budget → stop. Everything else is a component built by `setup` (data, model, checkpointer,
+metrics, budget guard); on ranks other than 0 the logging components are no-op objects.
+
+Exit codes are the contract with the watchdog (x1_common.contracts.ExitCode): 0 finished, 75
+preempted (checkpoint written), 76 budget projection over the cap (checkpoint written), 77 spent
+over the cap (no write), 78 launch refused, 79 diverged, 2 bad config or data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from x1_common.contracts import END_REASONS, ExitCode
+from x1_common.fsutil import write_json_atomic
+from x1_common.logs import setup_logging
+from x1_pretrain import distributed as D
+from x1_pretrain import preflight
+from x1_pretrain.accounting import flops_per_token
+from x1_pretrain.checkpoint import Checkpointer, TrainerState, capture_rng, restore_rng
+from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
+from x1_pretrain.model import Transformer, attention_backend, param_groups
+from x1_pretrain.spikes import SpikeDetector, SpikeInjector
+
+log = logging.getLogger("x1.train")
+
+# MLflow statuses per exit: a stop on purpose is KILLED, a failure FAILED.
+MLFLOW_STATUS = {0: "FINISHED", 75: "KILLED", 76: "KILLED", 77: "KILLED", 79: "FAILED"}
+
+
+class DataOrConfigError(Exception):
+    """Something a person must fix (exit 2)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces the loop uses
+
+
+def lr_at(step: int, cfg, total_steps: int) -> float:
+    """Linear warmup from 0 over warmup_steps, then cosine from lr to min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+class StopSignal:
+    """SIGTERM / SIGINT set a flag; the loop checks it at every micro-step and checkpoints."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            log.warning("%s received: finishing with an emergency checkpoint", signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def code(self) -> int:
+        return int(ExitCode.PREEMPTED) if self.requested else 0
+
+
+class Throughput:
+    """Tokens/s between log steps, with eval and checkpoint time left out."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.paused = 0.0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    @contextlib.contextmanager
+    def pause(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - t
+
+    def read(self) -> tuple[float, float, int]:
+        """(tokens/s, seconds, tokens) since the last read."""
+        now = time.perf_counter()
+        seconds = max(now - self.t0 - self.paused, 1e-9)
+        tokens = self.tokens
+        self.t0, self.tokens, self.paused = now, 0, 0.0
+        return tokens / seconds, seconds, tokens
+
+
+@dataclass
+class Run:
+    """Every component the loop touches, built once by `setup`."""
+
+    cfg: RunConfig
+    dist: D.Dist
+    raw_model: Transformer  # for state dicts and eval: no wrapper, no compile
+    model: torch.nn.Module  # what the loop trains: compiled and/or DDP/FSDP2-wrapped
+    optimizer: torch.optim.Optimizer
+    batches: Any  # iterator of (step, micro, x, y) from data.Prefetcher
+    make_batches: Any  # (start_step, micro_batch, grad_accum) -> a fresh batches iterator
+    warmup_batch: Any  # micro_batch -> (B, T+1) windows of the first step, to compile on
+    val: np.ndarray
+    checkpointer: Checkpointer
+    sink: Any  # tracking.MetricsSink or NullSink
+    guard: Any  # budget_guard.BudgetGuard or NullGuard
+    stop: StopSignal
+    detector: SpikeDetector
+    injector: SpikeInjector
+    state: TrainerState
+    grad_accum: int
+    autocast: Any
+    flops_per_token: float
+    peak_tflops: float
+    measured_peak_tflops: float | None
+    throughput: Throughput = field(default_factory=Throughput)
+    started: float = field(default_factory=time.time)
+    last_saved_step: int = -1
+    floor_warned_at: float = 0.0
+
+    @property
+    def micro_batch(self) -> int:
+        return self.cfg.train.micro_batch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def train_loop(run: Run) -> int:
+    cfg, total = run.cfg, run.cfg.train.total_steps
+    step = run.state.step
+    while step < total:
+        # 1. learning rate
+        lr = lr_at(step, cfg.optim, total)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        if (note := run.injector.announcement(step, run.detector)) is not None:
+            log.warning(note)
+            run.sink.tags({"x1.spike_injection": note})
+            run.sink.log(step, {"spike_injection_skipped": float(run.injector.natural_spike_before(run.detector) is not None)})
+
+        # 2. forward/backward over the micro-batches (gradients averaged over the whole step)
+        loss, interrupted = accumulate(run, step)
+        if interrupted:  # SIGTERM mid-step: drop the partial gradients, keep the last full step
+            return stop_run(run, step, ExitCode.PREEMPTED, "preempted")
+
+        # 3. clip (the norm is taken before clipping, so a spike shows in the log)
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.optim.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+
+        # 4. optimizer step, unless the loss or the gradient is not finite
+        loss_v, grad_norm_v = torch.stack([loss, grad_norm.float()]).tolist()  # one CPU-GPU sync per step
+        finite = D.agree(run.dist, 0 if math.isfinite(loss_v) and math.isfinite(grad_norm_v) else 1) == 0
+        if finite:
+            run.optimizer.step()
+            run.state.nonfinite_in_row = 0
+        else:
+            run.state.nonfinite_in_row += 1
+            log.warning("step %d: non-finite loss %s / grad norm %s: optimizer step skipped (%d in a row)",
+                        step, loss_v, grad_norm_v, run.state.nonfinite_in_row)
+            run.sink.log(step, {"nonfinite_step": 1.0})
+        run.optimizer.zero_grad(set_to_none=True)
+        step += 1
+        run.state.step = step
+        run.state.tokens_seen += cfg.train.tokens_per_step
+        run.throughput.add(cfg.train.tokens_per_step)
+        if run.state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+            return diverged(run, step)
+        if finite and run.detector.update(step, loss_v):
+            log.warning("loss spike at step %d: %.3f vs EMA %.3f", step, loss_v, run.detector.ema)
+            run.sink.log(step, {"spike": 1.0})
+
+        # 5. log
+        if step % cfg.train.log_every == 0 or step == total:
+            log_step(run, step, loss_v, grad_norm_v, lr)
+
+        # 6. eval on the fixed val windows
+        if step % cfg.train.eval_every == 0 or step == total:
+            with run.throughput.pause():
+                evaluate(run, step)
+
+        # 7. checkpoint
+        if step % cfg.checkpoint.every == 0 or step == total:
+            with run.throughput.pause():
+                save_checkpoint(run, step)
+
+        # 8. budget (rank 0 reads; the decision reaches every rank through `agree`)
+        budget = run.guard.maybe_check()
+        if budget.exit_code is not None:
+            log.warning("budget: %s", budget.reason)
+
+        # 9. stop?
+        code = D.agree(run.dist, run.stop.code, budget.exit_code or 0)
+        if code:
+            return stop_run(run, step, ExitCode(code), budget.reason if budget.exit_code == code else "preempted")
+    return finish(run, step)
+
+
+def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
+    """Forward and backward over grad_accum micro-batches. Returns (mean loss, interrupted)."""
+    total = torch.zeros((), device=run.dist.device)
+    for micro in range(run.grad_accum):
+        s, m, x, y = next(run.batches)
+        assert (s, m) == (step, micro), f"batch order broken: got {(s, m)} for {(step, micro)}"
+        if run.injector.active(step, run.detector):
+            w = torch.from_numpy(run.injector.windows(step, micro, x.size(0))).to(run.dist.device)
+            x, y = w[:, :-1], w[:, 1:]
+        with D.maybe_no_sync(run.model, sync=micro == run.grad_accum - 1), run.autocast():
+            loss = run.model(x, y)
+        (loss / run.grad_accum).backward()
+        total += loss.detach()
+        # A single process can stop between micro-steps; ranks of a group agree once per step
+        # (stopping alone mid-accumulation would leave the others waiting in an all-reduce).
+        if run.stop.requested and not run.dist.enabled:
+            return total, True
+    if run.injector.active(step, run.detector):
+        run.sink.log(step + 1, {"spike_injected": 1.0})
+    return total / run.grad_accum, False
+
+
+# ---------------------------------------------------------------------------------------------
+# What the loop calls at log, eval, checkpoint and exit
+
+
+def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> None:
+    loss_t = D.mean_over_ranks(run.dist, torch.tensor(loss, device=run.dist.device))
+    tps, seconds, tokens = run.throughput.read()
+    run.state.train_seconds += seconds
+    tps_per_gpu = tps / run.dist.world_size
+    mfu = tps_per_gpu * run.flops_per_token / (run.peak_tflops * 1e12) if run.peak_tflops else 0.0
+    param_norm = total_norm(run.raw_model.parameters())
+    metrics = {
+        "loss": float(loss_t),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "param_norm": param_norm,
+        "tokens_per_sec": tps,
+        "mfu": mfu,
+        "tokens_seen": float(run.state.tokens_seen),
+        "wall_hours": run.state.train_seconds / 3600,
+        "clipped": float(grad_norm > run.cfg.optim.grad_clip),
+    }
+    if run.measured_peak_tflops:
+        metrics["mfu_measured_peak"] = tps_per_gpu * run.flops_per_token / (run.measured_peak_tflops * 1e12)
+    spent = run.guard.spent_usd_now()
+    if spent is not None:
+        metrics["spent_usd"] = spent
+        run.sink.prom.spent.set(spent)
+    run.sink.log(step, metrics)
+    p = run.sink.prom
+    p.step.set(step)
+    p.tokens.inc(tokens)
+    p.tps.set(tps)
+    p.mfu.set(mfu)
+    p.loss.set(metrics["loss"])
+    p.grad_norm.set(grad_norm)
+    p.lr.set(lr)
+    run.sink.heartbeat.beat(step, "training")
+    log.info("step %d/%d loss %.4f lr %.2e grad %.3f tok/s %.0f mfu %.3f", step, run.cfg.train.total_steps,
+             metrics["loss"], lr, grad_norm, tps, mfu)
+    warn_if_slow(run, tps)
+
+
+def total_norm(params) -> float:
+    norms = [torch.linalg.vector_norm(p.detach().float()) for p in params]
+    norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
+    return norm.item()
+
+
+def warn_if_slow(run: Run, tps: float) -> None:
+    floor = run.cfg.train.min_tokens_per_sec
+    first_hour = run.state.train_seconds < 3600
+    if floor and first_hour and tps < floor and time.time() - run.floor_warned_at > 600:
+        run.floor_warned_at = time.time()
+        log.warning(
+            "throughput %.0f tokens/s is under the floor of %.0f: stop and diagnose. Usual causes: "
+            "torch.compile did not fuse (look for compile warnings), the attention kernel is not flash "
+            "(preflight line), the data loader is CPU-bound (iostat; prefetch depth)", tps, floor)
+
+
+@torch.no_grad()
+def evaluate(run: Run, step: int) -> float:
+    """Mean loss over the fixed val windows, on the uncompiled model (no recompile for eval)."""
+    model = run.raw_model
+    model.eval()
+    losses = []
+    for i in range(0, len(run.val), run.micro_batch):
+        w = torch.from_numpy(run.val[i : i + run.micro_batch]).to(run.dist.device)
+        with run.autocast():
+            losses.append(model(w[:, :-1], w[:, 1:]).float() * w.size(0))
+    model.train()
+    val_loss = (torch.stack(losses).sum() / len(run.val)).item()
+    run.sink.log(step, {"val_loss": val_loss})
+    run.sink.prom.val_loss.set(val_loss)
+    log.info("step %d val_loss %.4f", step, val_loss)
+    return val_loss
+
+
+def full_states(run: Run) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Consolidated model and optimizer state on CPU (a collective under FSDP2: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(run.raw_model, options=opts),
+            get_optimizer_state_dict(run.raw_model, run.optimizer, options=opts))
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    if run.last_saved_step == step:
+        return
+    run.sink.heartbeat.beat(step, "checkpointing")
+    model_state, optim_state = full_states(run)
+    if run.dist.is_main:
+        run.state.spike = run.detector.state()
+        run.state.rng = capture_rng()
+        run.state.mlflow_run_id = run.sink.run_id or run.state.mlflow_run_id
+        run.state.micro_batch_size = run.micro_batch
+        seconds = run.checkpointer.save(step, model_state, optim_state, run.state)
+        run.sink.prom.ckpt_step.set(step)
+        run.sink.prom.ckpt_seconds.set(seconds)
+        run.sink.log(step, {"checkpoint_seconds": seconds})
+        log.info("checkpoint step_%08d written in %.2f s", step, seconds)
+    D.barrier(run.dist)
+    run.last_saved_step = step
+    run.sink.heartbeat.beat(step, "training")
+
+
+def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
+    """75 and 76 checkpoint first; 77 exits at once without writing (already over the cap)."""
+    if code in (ExitCode.PREEMPTED, ExitCode.BUDGET_PROJECTED):
+        t = time.perf_counter()
+        save_checkpoint(run, step)
+        log.warning("%s at step %d: checkpoint in %.2f s, exit %d", END_REASONS[code], step,
+                    time.perf_counter() - t, int(code))
+    else:
+        log.error("%s at step %d: exit %d without a checkpoint write", reason, step, int(code))
+    run.sink.tags({"x1.end": END_REASONS[code], "x1.end_reason": reason[:500]})
+    # RunPod spot gives 5 s after SIGTERM: the checkpoint comes first, the metrics get what is left
+    # (anything unsent is spooled to disk and sent by the next start).
+    run.sink.close(MLFLOW_STATUS[int(code)], timeout=3.0 if code == ExitCode.PREEMPTED else 30.0)
+    return int(code)
+
+
+def diverged(run: Run, step: int) -> int:
+    log.error("diverged: %d non-finite steps in a row at step %d. Check the data's token ids, the fp32 master "
+              "weights and the learning rate; resume from the last checkpoint with a lower lr to continue.",
+              run.state.nonfinite_in_row, step)
+    run.sink.tags({"x1.end": END_REASONS[ExitCode.DIVERGED]})
+    run.sink.close("FAILED", timeout=30.0)
+    return int(ExitCode.DIVERGED)
+
+
+def finish(run: Run, step: int) -> int:
+    save_checkpoint(run, step)
+    model_state, optim_state = full_states(run)
+    if run.dist.is_main:
+        run.checkpointer.save_final(model_state, optim_state, step, run.state.config_hash)
+        log.info("finished: %s", run.checkpointer.root / "final.safetensors")
+    run.sink.heartbeat.beat(step, "finished")
+    run.sink.tags({"x1.end": END_REASONS[ExitCode.FINISHED]})
+    run.sink.close("FINISHED", timeout=60.0)
+    return int(ExitCode.FINISHED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: config → data → checkpoint → budget → model → optimizer → tracking → compile
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m x1_pretrain.train",
+        description="Train the X1 decoder. Exit codes: 0 finished, 75 preempted, 76/77 budget, 78 launch refused, "
+        "79 diverged, 2 bad config/data. Run under torchrun for several GPUs.",
+    )
+    p.add_argument("--config", required=True, help="run config YAML (configs/x1-50m-a100.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any config field, e.g. --set optim.lr=1e-3 (repeatable)")
+    seed = p.add_argument_group("the seed's flags")
+    seed.add_argument("--data-dir", help="folder with train.bin, val.bin, meta.json")
+    seed.add_argument("--ckpt-dir", help="checkpoints folder (step_XXXXXXXX/, latest, final.safetensors)")
+    seed.add_argument("--mlflow-uri", help="file://, sqlite:// or http:// tracking URI")
+    seed.add_argument("--total-steps", type=int, help="optimizer steps (the cosine ends here)")
+    seed.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
+    seed.add_argument("--eval-every", type=int, help="steps between val evals")
+    seed.add_argument("--log-every", type=int, help="steps between metric logs")
+    seed.add_argument("--resume-from-latest", action="store_true",
+                      help="continue from the newest complete, verified checkpoint (none: start fresh)")
+    seed.add_argument("--inject-spike-at-step", type=int, metavar="N",
+                      help="replace the batches of steps N..N+4 with rare-token sequences (skipped after a natural spike)")
+    budget = p.add_argument_group("budget guard (on only with --budget-cap-usd)")
+    budget.add_argument("--budget-cap-usd", type=float, help="hard cap: projected over it → checkpoint, exit 76; spent over it → exit 77")
+    budget.add_argument("--budget-curr-cost-uri", help="budget.json path or the sidecar's /budget URL")
+    budget.add_argument("--budget-alert-usd", type=float, help="email + Slack once per crossing (30)")
+    budget.add_argument("--budget-check-every-min", type=float, help="minutes between readings (30)")
+    budget.add_argument("--budget-stale-after-min", type=float, help="a reading older than this alerts as stale (15)")
+    budget.add_argument("--max-price-usd-per-hr", type=float, help="refuse to launch above this price (1.40)")
+    budget.add_argument("--planned-rate-usd-per-hr", type=float, help="planned price: the pre-launch sentence; 1.2x over it warns")
+    budget.add_argument("--planned-hours", type=float, help="planned hours for the pre-launch sentence")
+    budget.add_argument("--dry-run-budget", action="store_true", help="walk simulated readings through every rule, print, exit 0")
+    ops = p.add_argument_group("operations")
+    ops.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (9791; 0 disables)")
+    ops.add_argument("--heartbeat-file", help="heartbeat JSON the watchdog reads (/workspace/logs/heartbeat.json)")
+    ops.add_argument("--allow-config-change", action="store_true",
+                     help="resume even though the config hash (model, optimizer, schedule) changed")
+    ops.add_argument("--measured-peak-tflops", type=float, help="this GPU's measured bf16 matmul peak, for a second MFU")
+    ops.add_argument("--run-name", help="MLflow run name (default: config name and start time)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    overrides = {SEED_FLAGS[k]: v for k, v in vars(args).items() if k in SEED_FLAGS and v is not None}
+    return load_config(args.config, args.set, overrides)
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for pkg in ("flash-attn", "transformers", "numpy", "tiktoken", "mlflow-skinny", "mlflow", "safetensors"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = str(v)
+    return out
+
+
+def autocast_factory(cfg: RunConfig, device: torch.device):
+    if cfg.train.precision == "bf16-mixed":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
+    """The checkpoint to continue from (None: fresh start), agreed on by every rank."""
+    path = None
+    if d.is_main:
+        existing = checkpointer.step_dirs()
+        if args.resume_from_latest:
+            path = checkpointer.newest_verified()
+            if path is None and existing:
+                log.warning("no complete checkpoint in %s: starting from step 0", checkpointer.root)
+        elif existing:
+            raise DataOrConfigError(
+                f"{checkpointer.root} already holds checkpoints ({existing[0].name}, ...): pass --resume-from-latest "
+                "to continue that run, or give a new --ckpt-dir")
+    path = D.broadcast_object(d, str(path) if path else None)
+    if path is None:
+        return None
+    loaded = checkpointer.load(Path(path), map_location="cpu")
+    if loaded.state.config_hash != cfg.config_hash():
+        msg = (f"{path}: config hash {loaded.state.config_hash[:12]} differs from this config's "
+               f"{cfg.config_hash()[:12]} (model, optimizer or schedule changed)")
+        if not args.allow_config_change:
+            raise DataOrConfigError(msg + "; pass --allow-config-change to continue anyway")
+        log.warning("%s; continuing (--allow-config-change)", msg)
+    return loaded
+
+
+def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str):
+    from x1_pretrain.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
+
+    if not d.is_main:
+        return NullSink()
+    ckpt_root = Path(cfg.checkpoint.dir)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    run_file = ckpt_root / "mlflow-run.json"
+
+    def remember(run_id: str) -> None:
+        write_json_atomic(run_file, {"run_id": run_id, "config_hash": state.config_hash, "uri": cfg.tracking.mlflow_uri})
+
+    run_id = state.mlflow_run_id
+    if run_id is None and run_file.is_file() and state.step == 0:  # crashed before its first checkpoint
+        import json
+
+        saved = json.loads(run_file.read_text())
+        if saved.get("config_hash") == state.config_hash and saved.get("uri") == cfg.tracking.mlflow_uri:
+            run_id = saved.get("run_id")
+    tags = {"x1.config_hash": state.config_hash, "x1.git_sha": git_sha(), "x1.world_size": str(d.world_size),
+            "x1.ckpt_dir": str(Path(cfg.checkpoint.dir).resolve()), "x1.data_dir": str(Path(cfg.data.dir).resolve()),
+            "x1.seed": str(cfg.train.seed), "x1.config_name": cfg.name}
+    tags.update({f"x1.version.{k}": v for k, v in versions().items()})
+    mlflow = MlflowLogger(
+        cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id, run_name=run_name,
+        params=flatten(cfg.resolved()), tags=tags, spool_path=ckpt_root / "mlflow-spool.jsonl", on_run_id=remember,
+    )
+    mlflow.start()
+    return MetricsSink(mlflow, PrometheusMetrics(cfg.tracking.metrics_port), Heartbeat(cfg.tracking.heartbeat_file))
+
+
+def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str | None:
+    """torch.compile mode to use, or None for eager. A process that died while compiling (its
+    heartbeat says "compiling") makes the next start use mode default; a second such death, eager."""
+    if not cfg.train.compile:
+        return None
+    marker = ckpt_root / "compile-deaths.json"
+    deaths = 0
+    if marker.is_file():
+        import json
+
+        deaths = int(json.loads(marker.read_text()).get("deaths", 0))
+    if previous_heartbeat is not None and previous_heartbeat.phase == "compiling" and previous_heartbeat.pid != os.getpid():
+        deaths += 1
+        write_json_atomic(marker, {"deaths": deaths})
+    if deaths >= 2:
+        log.warning("two earlier starts died while compiling: running eager (slower, but it runs)")
+        return None
+    if deaths == 1 and cfg.train.compile_mode != "default":
+        log.warning("an earlier start died while compiling with mode %s: using mode default", cfg.train.compile_mode)
+        return "default"
+    return cfg.train.compile_mode
+
+
+def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
+    """First forward/backward: compiles (or falls back to eager, and says so), and halves the
+    micro-batch on a CUDA out-of-memory (accumulation doubles, tokens per step unchanged)."""
+    raw, d = run.raw_model, run.dist
+    model = raw
+    while mode is not None or d.device.type == "cuda":  # CPU eager has nothing to find out
+        run.sink.heartbeat.beat(run.state.step, "compiling" if mode else "startup")
+        model = torch.compile(raw, mode=mode) if mode is not None else raw
+        w = torch.from_numpy(run.warmup_batch(run.micro_batch)).to(d.device)
+        t = time.perf_counter()
+        try:
+            with run.autocast():
+                loss = model(w[:, :-1], w[:, 1:])
+            loss.backward()
+            failed = 0
+        except torch.cuda.OutOfMemoryError:
+            failed = 2
+        except Exception as e:  # noqa: BLE001 - any compile failure: eager is slower but runs
+            if mode is None:
+                raise
+            log.warning("torch.compile failed (%s): falling back to eager", str(e).splitlines()[0][:300])
+            failed = 1
+        raw.zero_grad(set_to_none=True)
+        failed = D.agree(d, failed)
+        if failed == 1:
+            mode = None
+            torch._dynamo.reset()
+            continue
+        if failed == 2:
+            if run.micro_batch <= 1:
+                raise DataOrConfigError("CUDA out of memory at micro-batch 1: the model does not fit this GPU")
+            halve_micro_batch(run)
+            torch.cuda.empty_cache()
+            continue
+        break
+    if mode is not None:
+        log.info("torch.compile mode=%s: first step in %.1f s", mode, time.perf_counter() - t)
+        (ckpt_root / "compile-deaths.json").unlink(missing_ok=True)
+    run.model = D.wrap(model, d, run.cfg.train.distributed) if run.cfg.train.distributed == "ddp" else model
+
+
+def halve_micro_batch(run: Run) -> None:
+    old = run.micro_batch
+    run.cfg = run.cfg.model_copy(update={"train": run.cfg.train.model_copy(update={"micro_batch_size": old // 2})})
+    run.grad_accum = run.cfg.grad_accum(run.dist.world_size)
+    run.batches.close()
+    run.batches = run.make_batches(run.state.step, run.micro_batch, run.grad_accum)
+    log.warning("CUDA out of memory on the first step: micro-batch %d -> %d, gradient accumulation -> %d "
+                "(tokens per step unchanged)", old, run.micro_batch, run.grad_accum)
+
+
+def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | int:
+    from x1_pretrain import data as data_mod
+    from x1_pretrain.budget_guard import BudgetGuard
+
+    d = D.init(cfg.train.device)
+    grad_accum = cfg.grad_accum(d.world_size)  # ConfigError when the world size does not divide
+    seed_everything(cfg.train.seed)
+    if d.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        # Bit-exact CPU resumes need the same reductions run to run.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    tokens = data_mod.open_token_data(cfg.data.dir, cfg.model.vocab_size)
+    val = data_mod.val_windows(tokens.val, cfg.model.seq_len, cfg.train.eval_windows, cfg.train.seed)
+
+    # Budget before anything expensive: a refused launch costs nothing.
+    guard = BudgetGuard.from_config(cfg.budget) if d.is_main else BudgetGuard.from_config(cfg.budget.model_copy(update={"cap_usd": None}))
+    pre = guard.prelaunch()
+    code = D.agree(d, pre.exit_code or 0)
+    if code:
+        log.error("launch refused: %s", pre.reason if pre.exit_code else "rank 0 refused the launch")
+        return code
+
+    checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.model)
+    loaded = resume_point(args, cfg, checkpointer, d)
+    if loaded is not None:
+        state = loaded.state
+        state.restarts += 1
+        state.config = cfg.resolved()
+        restore_rng(state.rng)
+        log.info("resuming from %s at step %d (%d tokens seen)", loaded.path, state.step, state.tokens_seen)
+    else:
+        state = TrainerState(step=0, tokens_seen=0, config_hash=cfg.config_hash(), config=cfg.resolved(),
+                             sampler={"seed": cfg.train.seed}, world_size=d.world_size)
+    state.world_size = d.world_size
+    state.sampler = {"seed": cfg.train.seed, "next_step": state.step}
+    if state.step >= cfg.train.total_steps and loaded is None:
+        raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
+
+    raw = Transformer(cfg.model)
+    if loaded is not None:
+        raw.load_state_dict(loaded.model_state, strict=True)
+    raw.to(d.device)
+    backend = attention_backend(cfg.model, d.device)
+    raw.set_attention_backend(backend)
+    if cfg.train.distributed == "fsdp2":
+        D.wrap(raw, d, "fsdp2")
+    fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type == "cuda")
+    optimizer = torch.optim.AdamW(param_groups(raw, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=fused)
+    if loaded is not None:
+        load_optimizer(raw, optimizer, loaded.optim_state)
+
+    sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    previous_heartbeat = sink.heartbeat.previous()
+    sink.heartbeat.beat(state.step, "startup")
+    sink.prom.tokens.inc(state.tokens_seen)
+    info = preflight.collect(d.device, backend, cfg.checkpoint.dir)
+    warnings = preflight.warnings_for(info)
+    if d.is_main:
+        print(preflight.render(info, warnings), file=sys.stderr, flush=True)
+        sink.tags({f"x1.preflight.{k}": str(v) for k, v in info.items()})
+        if loaded is not None:
+            sink.log(state.step, {"restart": 1.0})
+
+    rare = None
+    if args.inject_spike_at_step is not None and state.step < args.inject_spike_at_step + 5:
+        rare = data_mod.rare_token_ids(tokens.train, cfg.model.vocab_size)
+    detector = SpikeDetector.from_state(cfg.train.spike_factor, cfg.train.spike_ema_beta, state.spike)
+    injector = SpikeInjector(args.inject_spike_at_step, rare, cfg.train.seed, cfg.model.seq_len, d.rank)
+
+    samples_per_step = cfg.train.tokens_per_step // cfg.model.seq_len
+    sampler = data_mod.WindowSampler(tokens.train, cfg.model.seq_len, cfg.train.seed, samples_per_step)
+
+    def make_batches(start: int, micro_batch: int, accum: int):
+        def source(step: int, micro: int) -> np.ndarray:
+            return sampler.windows(step, data_mod.micro_batch_indices(micro, d.rank, micro_batch, d.world_size))
+
+        keys = ((s, m) for s in range(start, cfg.train.total_steps) for m in range(accum))
+        return data_mod.Prefetcher(source, keys, d.device, depth=cfg.data.prefetch,
+                                   pin_memory=cfg.data.pin_memory and d.device.type == "cuda")
+
+    gpu_key = info.get("gpu_key", "cpu")
+    run = Run(
+        cfg=cfg, dist=d, raw_model=raw, model=raw, optimizer=optimizer,
+        batches=make_batches(state.step, cfg.train.micro_batch_size, grad_accum),
+        make_batches=make_batches, warmup_batch=lambda b: sampler.windows(state.step, range(b)), val=val, checkpointer=checkpointer, sink=sink, guard=guard, stop=stop,
+        detector=detector, injector=injector, state=state, grad_accum=grad_accum,
+        autocast=autocast_factory(cfg, d.device), flops_per_token=flops_per_token(cfg.model),
+        peak_tflops=info.get("peak_bf16_tflops", 0.0) if gpu_key != "cpu" else 0.0,
+        measured_peak_tflops=args.measured_peak_tflops,
+    )
+    if loaded is not None:
+        run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
+    warm_up(run, compile_choice(cfg, Path(cfg.checkpoint.dir), previous_heartbeat), Path(cfg.checkpoint.dir))
+    run.throughput = Throughput()
+    sink.heartbeat.beat(state.step, "training")
+    return run
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    # The saved groups say how that process ran (fused, foreach); this process decides for itself.
+    for group in state.get("param_groups", []):
+        for key in ("fused", "foreach", "capturable", "differentiable"):
+            group.pop(key, None)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.dry_run_budget:
+        from x1_pretrain.budget_guard import dry_run
+
+        return dry_run(cfg.budget)
+    if args.inject_spike_at_step is not None and not 0 <= args.inject_spike_at_step < cfg.train.total_steps:
+        print(f"error: --inject-spike-at-step {args.inject_spike_at_step} is outside 0..{cfg.train.total_steps - 1}",
+              file=sys.stderr)
+        return ExitCode.USAGE
+    stop = StopSignal()
+    run = None
+    try:
+        from x1_pretrain.data import DataError
+
+        try:
+            run = setup(args, cfg, stop)
+        except (ConfigError, DataError, DataOrConfigError) as e:
+            log.error("%s", e)
+            return ExitCode.USAGE
+        if isinstance(run, int):
+            return run
+        if stop.requested:  # SIGTERM during setup: nothing new to save
+            return ExitCode.PREEMPTED
+        return train_loop(run)
+    finally:
+        if run is not None and not isinstance(run, int):
+            run.batches.close()
+        D.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
