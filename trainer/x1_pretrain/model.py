@@ -166,6 +166,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.fused_loss = False  # losses.fused_cross_entropy instead of an fp32 copy of the logits
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -205,8 +206,11 @@ class Transformer(nn.Module):
         """Mean next-token cross-entropy in fp32. idx, targets: (B, T) int64."""
         h = self.hidden(idx)
         logits = F.linear(h, self.tok_emb.weight)  # (B, T, padded V); tied head
-        # Padded columns never count: slice them off before the softmax. The compiler fuses the
-        # slice and the fp32 upcast into the cross-entropy kernel.
+        if self.fused_loss:
+            from x1_pretrain.losses import fused_cross_entropy
+
+            return fused_cross_entropy(logits, targets, self.cfg.vocab_size)
+        # Padded columns never count: slice them off before the softmax.
         logits = logits[..., : self.cfg.vocab_size].float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 

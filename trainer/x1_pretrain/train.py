@@ -665,6 +665,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     raw.to(d.device)
     backend = attention_backend(cfg.model, d.device)
     raw.set_attention_backend(backend)
+    raw.fused_loss = use_fused_loss(cfg.train.loss_impl, d.device)
     if cfg.train.distributed == "fsdp2":
         D.wrap(raw, d, "fsdp2")
     fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type == "cuda")
@@ -718,6 +719,18 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     run.throughput = Throughput()
     sink.heartbeat.beat(state.step, "training")
     return run
+
+
+def use_fused_loss(impl: str, device: torch.device) -> bool:
+    from x1_pretrain.losses import fused_available
+
+    if impl == "torch":
+        return False
+    if not fused_available(device):
+        if impl == "fused":
+            log.warning("train.loss_impl=fused needs Triton on a CUDA GPU: using PyTorch's cross-entropy")
+        return False
+    return True
 
 
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
