@@ -1,0 +1,411 @@
+"""The watchdog in process mode, supervising tests/stub_trainer.py: SPEC §3's decision table,
+stalls, signal forwarding, give-up with an alert, the state a restarted watchdog honours, and
+its Prometheus page. Real processes, signals, files and sockets throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, cli_env, free_port, run_module
+from prometheus_client.parser import text_string_to_metric_families
+
+from x1_common.contracts import end_reason
+
+STUB = Path(__file__).with_name("stub_trainer.py")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except (OSError, ValueError, KeyError, IndexError):
+            value = None  # a file not there yet
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """A zombie counts as gone: it runs nothing and holds no GPU."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Workdir:
+    """One run's files, a way to start the watchdog on them, and cleanup of every process."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.heartbeat = root / "heartbeat.json"
+        self.progress = root / "progress.json"
+        self.starts_file = root / "starts.jsonl"
+        self.events_file = root / "logs" / "watchdog-events.jsonl"
+        self.state_file = root / "logs" / "watchdog-state.json"
+        self.worker_pid_file = root / "worker.json"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def stub(self, *extra: str) -> list[str]:
+        return [sys.executable, str(STUB), "--heartbeat-file", str(self.heartbeat), "--progress-file",
+                str(self.progress), "--starts-file", str(self.starts_file), *extra]
+
+    def args(self, stub_args: list[str], *opts: str, port: int = 0) -> list[str]:
+        return [
+            "--heartbeat-file", str(self.heartbeat), "--events-file", str(self.events_file),
+            "--state-file", str(self.state_file), "--port", str(port), "--check-seconds", "0.1",
+            "--backoff-base-seconds", "0.05", "--term-grace-seconds", "10", *opts, "--", *self.stub(*stub_args),
+        ]
+
+    def start(self, stub_args: list[str], *opts: str, port: int = 0, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
+        log_path = self.root / f"watchdog-{len(self.logs)}.log"
+        self.logs.append(log_path)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "x1_watchdog", *self.args(stub_args, *opts, port=port)],
+                stdout=log, stderr=subprocess.STDOUT, env=env or cli_env(), cwd=REPO, start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def run(self, stub_args: list[str], *opts: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> int:
+        proc = self.start(stub_args, *opts, env=env)
+        return proc.wait(timeout)
+
+    def log(self, i: int = -1) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.events_file)
+
+    def kinds(self) -> list[str]:
+        return [e["event"] for e in self.events]
+
+    @property
+    def starts(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.starts_file)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return json.loads(self.state_file.read_text())
+
+    def heartbeat_of(self, pid: int, min_step: int) -> dict[str, Any] | None:
+        hb = json.loads(self.heartbeat.read_text())
+        return hb if hb["pid"] == pid and hb["step"] >= min_step else None
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+        # Stubs live in their own process groups (the watchdog's doing): end any left behind.
+        pids = [s["pid"] for s in self.starts]
+        if self.worker_pid_file.exists():
+            pids.append(json.loads(self.worker_pid_file.read_text())["pid"])
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+            except FileNotFoundError:
+                continue
+            if alive(pid) and ("stub_trainer" in cmdline or "time.sleep(600)" in cmdline):  # ours, not a reused pid
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+
+
+@pytest.fixture
+def wd(tmp_path: Path) -> Iterator[Workdir]:
+    w = Workdir(tmp_path)
+    try:
+        yield w
+    finally:
+        w.cleanup()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# SPEC §3: final codes stop, and stay stopped
+
+
+@pytest.mark.parametrize("code", [0, 2, 76, 77, 78, 79])
+def test_final_exit_code_is_never_relaunched_even_by_a_restarted_watchdog(wd: Workdir, code: int):
+    rc = wd.run(["--steps", "1", "--step-seconds", "0.05", "--exit-code", str(code)])
+    assert rc == code, wd.log()
+    assert wd.kinds() == ["start", "exit"]
+    exit_event = wd.events[1]
+    assert exit_event["exit_code"] == code and exit_event["reason"] == end_reason(code)
+    assert wd.state["final"]["exit_code"] == code
+
+    # compose (or a reboot) restarts the watchdog: it reads the decision and launches nothing.
+    rc = wd.run(["--steps", "1", "--step-seconds", "0.05", "--exit-code", str(code)])
+    assert rc == code, wd.log()
+    assert wd.kinds() == ["start", "exit"]
+    assert len(wd.starts) == 1
+    assert "final decision" in wd.log()
+
+
+def test_reset_state_starts_a_new_run_after_a_final_decision(wd: Workdir):
+    assert wd.run(["--steps", "1", "--step-seconds", "0.05"]) == 0
+    assert wd.run(["--steps", "1", "--step-seconds", "0.05"], "--reset-state") == 0, wd.log()
+    assert len(wd.starts) == 2
+    assert "--resume-from-latest" not in wd.starts[1]["argv"]  # a new run starts from scratch
+
+
+# --------------------------------------------------------------------------------------------
+# Crashes: backoff, give-up, alert
+
+
+class SlackReceiver:
+    """A real HTTP server standing where Slack's incoming webhook would be."""
+
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.posts.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/T000/B000/secret-hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_trainer_that_crashes_every_time_is_given_up_after_max_restarts_with_an_alert(wd: Workdir):
+    slack = SlackReceiver()
+    try:
+        env = cli_env(SLACK_WEBHOOK_URL=slack.url)
+        rc = wd.run(["--steps", "5", "--step-seconds", "0.01", "--crash"], "--max-restarts", "2", env=env)
+        assert rc == 1, wd.log()
+        assert wd.kinds() == ["start", "exit", "relaunch", "start", "exit", "relaunch", "start", "exit", "give_up"]
+        relaunches = [e for e in wd.events if e["event"] == "relaunch"]
+        assert [e["reason"] for e in relaunches] == ["crashed", "crashed"]
+        assert [e["delay_seconds"] for e in relaunches] == [0.05, 0.1]  # exponential backoff
+        give_up = wd.events[-1]
+        assert give_up["exit_code"] == 1 and give_up["restarts_in_window"] == 2 and give_up["alerted"] == ["webhook"]
+        assert wd.state["final"]["reason"] == "given-up"
+
+        wait_until(lambda: slack.posts, 10, "the Slack POST")
+        assert "gave up" in slack.posts[0]["text"]
+        assert slack.url not in wd.log()  # the webhook URL is a secret
+
+        # A restarted watchdog honours the give-up.
+        assert wd.run(["--steps", "5", "--crash"], env=env) == 1
+        assert len(wd.starts) == 3
+    finally:
+        slack.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Kills, stalls, and the resume flag
+
+
+def test_sigkilled_trainer_is_relaunched_with_resume_flag_once_and_its_workers_die(wd: Workdir):
+    port = free_port()
+    proc = wd.start(["--steps", "10", "--step-seconds", "0.25", "--worker-pid-file", str(wd.worker_pid_file)],
+                    port=port)
+    first = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the first trainer")
+    wait_until(lambda: wd.heartbeat_of(first, 2), 30, "step 2")
+    worker = wait_until(lambda: json.loads(wd.worker_pid_file.read_text())["pid"], 10, "the worker")
+    os.kill(first, signal.SIGKILL)
+
+    second = wait_until(lambda: len(wd.starts) >= 2 and wd.starts[1]["pid"], 30, "the relaunch")
+    # The killed trainer's worker (a torchrun worker, say) must not outlive it holding the GPU.
+    wait_until(lambda: not alive(worker), 10, "the orphaned worker to be killed")
+    wait_until(lambda: wd.heartbeat_of(second, wd.starts[1]["from_step"] + 1), 30, "a step after the relaunch")
+    metrics = scrape(port)
+    assert metrics[("x1_watchdog_restarts_total", (("reason", "killed"),))] == 1
+    assert metrics[("x1_watchdog_restarts_total", (("reason", "crashed"),))] == 0
+    assert metrics[("x1_watchdog_trainer_up", ())] == 1
+    assert metrics[("x1_watchdog_downtime_seconds_total", ())] > 0
+
+    os.kill(second, signal.SIGKILL)
+    assert proc.wait(60) == 0, wd.log()
+    starts = wd.starts
+    assert len(starts) == 3
+    assert "--resume-from-latest" not in starts[0]["argv"]
+    for s in starts[1:]:
+        assert s["argv"].count("--resume-from-latest") == 1
+    assert starts[1]["from_step"] >= 2 and starts[2]["from_step"] >= starts[1]["from_step"]
+    assert json.loads(wd.progress.read_text())["step"] == 10
+
+    relaunches = [e for e in wd.events if e["event"] == "relaunch"]
+    assert [(e["reason"], e["exit_code"], e["signal"]) for e in relaunches] == [("killed", 137, 9)] * 2
+    assert all(e["downtime_seconds"] >= 0.05 for e in relaunches)
+    assert [e["restart"] for e in wd.events if e["event"] == "start"] == [0, 1, 2]
+    assert [e["pid"] for e in wd.events if e["event"] == "start"] == [s["pid"] for s in starts]
+
+
+def test_frozen_trainer_is_detected_as_stalled_terminated_and_relaunched(wd: Workdir):
+    proc = wd.start(["--steps", "8", "--step-seconds", "0.2"],
+                    "--stall-seconds", "1.5", "--startup-grace-seconds", "1.5")
+    first = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the first trainer")
+    wait_until(lambda: wd.heartbeat_of(first, 2), 30, "step 2")
+    os.kill(first, signal.SIGSTOP)
+
+    assert proc.wait(60) == 0, wd.log()
+    assert not alive(first)
+    kinds = wd.kinds()
+    assert kinds == ["start", "stall", "exit", "relaunch", "start", "exit"], kinds
+    stall, exit_event, relaunch = wd.events[1:4]
+    assert stall["pid"] == first and stall["heartbeat_age_seconds"] > 1.5
+    # SIGTERM then SIGCONT: the frozen trainer wakes up, saves and exits 75.
+    assert exit_event["reason"] == "stall" and exit_event["exit_code"] == 75
+    assert relaunch["reason"] == "stall"
+    assert wd.starts[1]["argv"].count("--resume-from-latest") == 1
+    assert json.loads(wd.progress.read_text())["step"] == 8
+
+
+def test_trainer_deaf_to_sigterm_in_a_hang_is_killed_after_the_grace(wd: Workdir):
+    proc = wd.start(["--steps", "4", "--step-seconds", "0.1", "--hang-at-step", "2"],
+                    "--stall-seconds", "1", "--startup-grace-seconds", "1", "--term-grace-seconds", "1")
+    assert proc.wait(60) == 0, wd.log()
+    exits = [e for e in wd.events if e["event"] == "exit"]
+    assert (exits[0]["reason"], exits[0]["exit_code"], exits[0]["signal"]) == ("stall", 137, 9)
+    assert not alive(wd.starts[0]["pid"])
+    assert json.loads(wd.progress.read_text())["step"] == 4
+
+
+def test_no_own_heartbeat_within_the_startup_grace_is_a_stall(wd: Workdir):
+    # A fresh-looking heartbeat left by a previous process must not vouch for the new one.
+    wd.heartbeat.write_text(json.dumps({"step": 3, "time": time.time(), "pid": 1, "phase": "training"}))
+    rc = wd.run(["--startup-seconds", "60"], "--startup-grace-seconds", "1", "--stall-seconds", "100",
+                "--max-restarts", "0")
+    assert rc == 75, wd.log()  # SIGTERM during its startup: the stub saves and exits 75
+    assert wd.kinds() == ["start", "stall", "exit", "give_up"]
+    assert "no heartbeat" in wd.events[1]["detail"]
+
+
+# --------------------------------------------------------------------------------------------
+# Stopping the watchdog
+
+
+def test_sigterm_to_the_watchdog_is_forwarded_and_not_followed_by_a_relaunch(wd: Workdir):
+    stub = ["--steps", "14", "--step-seconds", "0.2"]
+    proc = wd.start(stub)
+    first = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the trainer")
+    wait_until(lambda: wd.heartbeat_of(first, 2), 30, "step 2")
+    os.kill(proc.pid, signal.SIGTERM)
+
+    assert proc.wait(30) == 75, wd.log()
+    assert not alive(first)
+    assert wd.kinds() == ["start", "exit"]
+    assert wd.events[1]["stop_requested"] is True and wd.events[1]["exit_code"] == 75
+    saved = json.loads(wd.progress.read_text())["step"]
+    assert saved >= 2  # the emergency checkpoint was waited for
+    assert wd.state["final"] is None  # a stop is not a decision about the run
+
+    # `docker compose up` again: the run continues from the emergency checkpoint.
+    assert wd.run(stub) == 0, wd.log()
+    assert wd.starts[1]["argv"].count("--resume-from-latest") == 1 and wd.starts[1]["from_step"] == saved
+
+
+# --------------------------------------------------------------------------------------------
+# Command line and environment
+
+
+def test_busy_metrics_port_is_a_warning_not_a_failure(wd: Workdir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = wd.start(["--steps", "1", "--step-seconds", "0.05"], port=busy.getsockname()[1])
+        assert proc.wait(60) == 0, wd.log()
+    assert "metrics server not started" in wd.log()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "needs the trainer command"),
+        (["--stall-seconds", "-1", "--", "true"], "--stall-seconds"),
+        (["--max-restarts", "-1", "--", "true"], "--max-restarts"),
+        (["--mode", "docker"], "--container"),
+        (["--terminate-on-finish", "--", "true"], "--provider"),
+        (["--terminate-on-finish", "--provider", "lambda", "--instance-id", "i", "--", "true"], "LAMBDA_API_KEY"),
+        (["--", "/nonexistent/trainer"], "cannot start the trainer command"),
+    ],
+)
+def test_usage_errors_exit_2_naming_the_problem(tmp_path: Path, argv: list[str], message: str):
+    files = ["--heartbeat-file", str(tmp_path / "hb.json"), "--events-file", str(tmp_path / "ev.jsonl"),
+             "--state-file", str(tmp_path / "state.json"), "--port", "0"]
+    env = {k: v for k, v in cli_env().items() if k not in ("LAMBDA_API_KEY", "RUNPOD_API_KEY")}
+    proc = run_module("x1_watchdog", *files, *argv, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+
+
+def test_corrupt_state_file_is_refused_with_exit_2(wd: Workdir):
+    wd.state_file.parent.mkdir(parents=True)
+    wd.state_file.write_text("{not json")
+    assert wd.run(["--steps", "1"]) == 2
+    assert str(wd.state_file) in wd.log() and "--reset-state" in wd.log()
+    assert wd.starts == []
+
+
+def test_docker_mode_without_an_engine_says_so_and_exits_2(tmp_path: Path):
+    proc = run_module(
+        "x1_watchdog", "--mode", "docker", "--container", "x1-trainer", "--docker-socket", str(tmp_path / "no.sock"),
+        "--heartbeat-file", str(tmp_path / "hb.json"), "--events-file", str(tmp_path / "ev.jsonl"),
+        "--state-file", str(tmp_path / "state.json"), "--port", "0", timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot reach the Docker Engine" in proc.stderr
+
+
+def test_help_explains_the_modes_and_exit_codes():
+    proc = run_module("x1_watchdog", "--help", timeout=60)
+    assert proc.returncode == 0
+    for words in ("process", "docker", "provider", "--resume-from-latest", "exit codes", "GPU host"):
+        assert words in proc.stdout

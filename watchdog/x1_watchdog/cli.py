@@ -1,0 +1,258 @@
+"""`python -m x1_watchdog`: the command line, its checks, and the wiring of the pieces."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from x1_common.alerts import AlertSender
+from x1_common.contracts import WATCHDOG_METRICS_PORT, ExitCode
+from x1_common.logs import setup_logging
+from x1_common.providers import PROVIDERS, api_key_from_env, make_client
+from x1_watchdog.finish import Terminator
+from x1_watchdog.handles import ProcessHandle, StartError, TrainerHandle
+from x1_watchdog.metrics import WatchdogMetrics
+from x1_watchdog.policy import RestartPolicy, StallDetector
+from x1_watchdog.records import EventLog, StateError, StateStore
+from x1_watchdog.supervisor import StopRequest, Supervisor, SupervisorSettings
+
+log = logging.getLogger("x1_watchdog")
+
+DESCRIPTION = """\
+Supervises the X1 trainer and acts on its exit code (SPEC §3): a preemption (75), a crash, a
+kill or a stall is relaunched with --resume-from-latest after an exponential backoff, and given up
+(with an alert) after --max-restarts relaunches inside --restart-window-seconds; a finished run
+(0), a bad config (2), a budget stop (76, 77), a refused launch (78) or a divergence (79) is never
+relaunched, also not by a restarted watchdog: final decisions are kept in --state-file. The
+watchdog exits with the trainer's final exit code (a trainer killed by signal N: 128+N).
+
+modes:
+  process   runs the trainer command given after `--` as a child in its own process group;
+            SIGTERM/SIGINT to the watchdog are forwarded to it, and the watchdog waits up to
+            --term-grace-seconds for its emergency checkpoint, then exits with its code (75)
+            without relaunching (a second signal kills it at once).
+  docker    drives the trainer container (--container) through the Docker Engine API on the
+            mounted socket (API v1.43): inspect, start, kill. Exercised on the GPU host only:
+            the container's own command carries --resume-from-latest. The Docker socket is
+            root-equivalent; only this service should get it.
+  provider  runs off the GPU host (your machine or a small always-on VM): polls the instance
+            through the provider's API and brings it back after a preemption (RunPod podResume
+            of the same pod; Lambda a new instance of the same type and region with the same
+            user-data and file system, whose cloud-init runs `docker compose up`), then follows
+            it; stops when the instance is terminated or a final decision is recorded.
+
+Every decision is a JSON line in --events-file ("event": start, exit, relaunch, stall, give_up,
+terminate). Prometheus on --port: x1_watchdog_restarts_total{reason}, x1_watchdog_trainer_up,
+x1_watchdog_downtime_seconds_total. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY;
+alerts from SLACK_WEBHOOK_URL / SMTP_* (x1_common.alerts); none of them is ever logged.
+
+example (process mode):
+  python -m x1_watchdog --mode process --heartbeat-file /workspace/logs/heartbeat.json \\
+      --events-file /workspace/logs/watchdog-events.jsonl --state-file /workspace/logs/watchdog-state.json \\
+      -- python -m x1_pretrain.train --config configs/x1-50m-a100.yaml ...
+"""
+
+EPILOG = """\
+exit codes: the trainer's final code (0 finished, 2 bad config, 76/77 budget stop, 78 launch
+refused, 79 diverged); after a give-up, the last trainer code; 75 after a forwarded SIGTERM;
+2 for a usage error of the watchdog itself. Provider mode: 0 once the instance is terminated,
+1 after a give-up or when the instance cannot be brought back.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m x1_watchdog",
+        usage="%(prog)s [options] [-- TRAINER COMMAND ...]",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--mode", choices=("process", "docker", "provider"), default="process")
+
+    g = p.add_argument_group("the trainer (process and docker modes)")
+    g.add_argument("--container", help="docker mode: the trainer container's name or id")
+    g.add_argument("--docker-socket", default="/var/run/docker.sock", help="docker mode: the Engine API socket")
+    g.add_argument("--heartbeat-file", type=Path, help="the trainer's heartbeat (JSON: step, time, pid, phase)")
+    g.add_argument("--stall-seconds", type=float, default=600.0,
+                   help="a heartbeat older than this (after the startup grace) is a stall; 0 disables (default 600)")
+    g.add_argument("--startup-grace-seconds", type=float, default=600.0,
+                   help="time a new trainer gets to write its first heartbeat; covers torch.compile (default 600)")
+    g.add_argument("--term-grace-seconds", type=float, default=60.0,
+                   help="SIGTERM to SIGKILL: room for the emergency checkpoint (default 60)")
+    g.add_argument("--check-seconds", type=float, default=1.0, help="how often the trainer is looked at (default 1)")
+
+    g = p.add_argument_group("relaunch policy")
+    g.add_argument("--max-restarts", type=int, default=10,
+                   help="relaunches allowed inside the window before giving up (default 10)")
+    g.add_argument("--restart-window-seconds", type=float, default=3600.0, help="the give-up window (default 3600)")
+    g.add_argument("--backoff-base-seconds", type=float, default=2.0,
+                   help="delay before the first relaunch in the window, doubled for each next one (default 2)")
+    g.add_argument("--backoff-max-seconds", type=float, default=60.0, help="cap on the backoff delay (default 60)")
+
+    g = p.add_argument_group("records and metrics")
+    g.add_argument("--events-file", type=Path, default=Path("/workspace/logs/watchdog-events.jsonl"))
+    g.add_argument("--state-file", type=Path, default=Path("/workspace/logs/watchdog-state.json"))
+    g.add_argument("--reset-state", action="store_true",
+                   help="forget the recorded decisions (a final stop included) and start a new run")
+    g.add_argument("--port", type=int, default=WATCHDOG_METRICS_PORT,
+                   help=f"Prometheus /metrics port, 0 disables (default {WATCHDOG_METRICS_PORT})")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics listens on (default 127.0.0.1; 0.0.0.0 inside a container)")
+
+    g = p.add_argument_group("provider (--terminate-on-finish and provider mode)")
+    g.add_argument("--terminate-on-finish", action="store_true",
+                   help="after exit 0, 76, 77 or 79: terminate the instance and write the answer to --termination-file")
+    g.add_argument("--provider", choices=PROVIDERS)
+    g.add_argument("--api-url", help="the provider's base URL (default: the real API)")
+    g.add_argument("--instance-id", help="the instance (Lambda) or pod (RunPod) id")
+    g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"))
+    g.add_argument("--poll-seconds", type=float, default=20.0, help="provider mode: status poll period (default 20)")
+    g.add_argument("--instance-type", help="provider mode, Lambda: type to relaunch (default: the preempted one's)")
+    g.add_argument("--region", help="provider mode, Lambda: region to relaunch in (default: the preempted one's)")
+    g.add_argument("--user-data-file", type=Path,
+                   help="provider mode, Lambda: cloud-init user-data for the relaunch (runs `docker compose up`)")
+    g.add_argument("--ssh-key-name", action="append", default=[], help="provider mode, Lambda: repeatable")
+    g.add_argument("--file-system-name", action="append", default=[],
+                   help="provider mode, Lambda: the persistent file system holding /workspace; repeatable")
+    g.add_argument("--gpu-count", type=int, default=1, help="provider mode, RunPod: GPUs for podResume (default 1)")
+    g.add_argument("--recover-timeout-seconds", type=float, default=900.0,
+                   help="provider mode: a brought-back instance not running after this long counts as lost (default 900)")
+    return p
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The watchdog's own options, and the trainer command after the first `--`."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]) -> None:
+    """Usage errors exit 2 naming the option (argparse's error())."""
+    for name in ("stall_seconds", "startup_grace_seconds", "term_grace_seconds", "restart_window_seconds",
+                 "backoff_base_seconds", "backoff_max_seconds"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    for name in ("check_seconds", "poll_seconds", "recover_timeout_seconds"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.max_restarts < 0:
+        p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.gpu_count < 1:
+        p.error(f"--gpu-count must be >= 1, got {args.gpu_count}")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {args.port}")
+
+    if args.mode == "process":
+        if not command:
+            p.error("process mode needs the trainer command after `--`")
+    elif command:
+        p.error(f"{args.mode} mode takes no trainer command after `--` (got {' '.join(command)!r})")
+    if args.mode in ("process", "docker") and args.heartbeat_file is None:
+        p.error(f"--heartbeat-file is required in {args.mode} mode (stall detection reads it)")
+    if args.mode == "docker" and not args.container:
+        p.error("--container is required in docker mode")
+
+    needs_provider = args.mode == "provider" or args.terminate_on_finish
+    if needs_provider:
+        what = "provider mode" if args.mode == "provider" else "--terminate-on-finish"
+        for name in ("provider", "instance_id"):
+            if not getattr(args, name):
+                p.error(f"{what} needs --{name.replace('_', '-')}")
+        try:
+            api_key_from_env(args.provider)
+        except ValueError as e:
+            p.error(f"{what}: {e}")
+    if args.user_data_file is not None and not args.user_data_file.is_file():
+        p.error(f"--user-data-file {args.user_data_file}: no such file")
+    if args.terminate_on_finish and args.mode == "provider":
+        p.error("--terminate-on-finish belongs to the watchdog beside the trainer (process or docker mode)")
+
+
+def make_handle(args: argparse.Namespace, command: list[str]) -> TrainerHandle:
+    if args.mode == "docker":
+        from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
+
+        return DockerHandle(args.container, socket_path=args.docker_socket)
+    return ProcessHandle(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, command = split_command(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(own)
+    check_args(parser, args, command)
+    try:
+        alerter = AlertSender.from_env(source="X1 watchdog")
+    except ValueError as e:
+        parser.error(f"alert settings: {e}")
+    setup_logging()
+
+    try:
+        state = StateStore(args.state_file, fresh=args.reset_state)
+    except StateError as e:
+        log.error("%s", e)
+        return ExitCode.USAGE
+    if args.reset_state:
+        log.warning("--reset-state: previous decisions in %s forgotten", args.state_file)
+    events = EventLog(args.events_file)
+    metrics = WatchdogMetrics()
+    metrics.serve(args.port, args.metrics_host)
+    stop = StopRequest()
+    stop.install()
+    policy = RestartPolicy(
+        max_restarts=args.max_restarts,
+        window_seconds=args.restart_window_seconds,
+        backoff_base_seconds=args.backoff_base_seconds,
+        backoff_max_seconds=args.backoff_max_seconds,
+    )
+
+    if args.mode == "provider":
+        from x1_watchdog.provider import InstanceKeeper, LaunchSpec
+
+        client = make_client(args.provider, args.api_url, api_key_from_env(args.provider))
+        launch = LaunchSpec(
+            instance_type=args.instance_type,
+            region=args.region,
+            user_data=args.user_data_file.read_text(encoding="utf-8") if args.user_data_file else None,
+            ssh_key_names=tuple(args.ssh_key_name),
+            file_system_names=tuple(args.file_system_name),
+            gpu_count=args.gpu_count,
+        )
+        keeper = InstanceKeeper(client, args.provider, args.instance_id, launch, policy, args.poll_seconds,
+                                state, events, metrics, alerter, stop, args.recover_timeout_seconds)
+        return keeper.run()
+
+    on_final: Callable[[int, str], None] = lambda code, reason: None  # noqa: E731
+    if args.terminate_on_finish:
+        client = make_client(args.provider, args.api_url, api_key_from_env(args.provider))
+        on_final = Terminator(client, args.provider, args.instance_id, args.termination_file, state, events, alerter)
+    try:
+        handle = make_handle(args, command)
+    except StartError as e:
+        log.error("%s", e)
+        return ExitCode.USAGE
+    supervisor = Supervisor(
+        handle,
+        StallDetector(args.heartbeat_file, args.stall_seconds, args.startup_grace_seconds),
+        policy,
+        SupervisorSettings(term_grace_seconds=args.term_grace_seconds, check_seconds=args.check_seconds),
+        state, events, metrics, alerter, stop, on_final,
+    )
+    try:
+        return supervisor.run()
+    except StartError as e:
+        log.error("%s", e)
+        return ExitCode.USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""How the supervisor reaches the trainer: a small handle with start, poll, signal and kill.
+
+Process mode and docker mode differ only here; the decisions (relaunch or stop, stalls,
+backoff, give-up) live in `supervisor.py` and are the same for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from x1_common.contracts import end_reason, redact, should_relaunch
+
+log = logging.getLogger(__name__)
+
+RESUME_FLAG = "--resume-from-latest"
+
+
+@dataclass(frozen=True)
+class TrainerExit:
+    """How one trainer process ended."""
+
+    code: int  # as a shell reports it: a process killed by signal N is 128 + N
+    signal: int | None = None  # the signal that killed it, if one did
+    detail: str = ""  # what else is known (docker: "OOMKilled")
+
+    @property
+    def reason(self) -> str:
+        """preempted, finished, budget-stop, ... (x1_common.contracts.end_reason), or killed."""
+        return "killed" if self.signal is not None else end_reason(self.code)
+
+    @property
+    def relaunchable(self) -> bool:
+        return self.signal is not None or should_relaunch(self.code)
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> TrainerExit:
+        """subprocess reports a death by signal N as -N."""
+        if returncode < 0:
+            return cls(code=128 - returncode, signal=-returncode)
+        return cls(code=returncode)
+
+
+class StartError(Exception):
+    """The trainer could not be started at all (missing command, no container): a person must act."""
+
+
+class TrainerHandle(Protocol):
+    label: str  # what the logs call it: the command, or the container name
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def started_at(self) -> float:
+        """Wall-clock time the current trainer process started (heartbeats before it are not its own)."""
+        ...
+
+    def start(self, resume: bool) -> None:
+        """Starts the trainer; `resume` asks it to continue from its latest checkpoint."""
+        ...
+
+    def poll(self) -> TrainerExit | None:
+        """None while the trainer runs, then how it ended."""
+        ...
+
+    def signal(self, sig: int) -> None:
+        """Sends `sig` to the trainer's main process (torchrun forwards it to its workers)."""
+        ...
+
+    def kill(self) -> None:
+        """SIGKILL to everything the trainer started: workers must not outlive it holding the GPU."""
+        ...
+
+
+class ProcessHandle:
+    """The trainer as a child process, in a process group of its own.
+
+    The group is the point: torchrun's workers and a trainer's helpers share it, so a kill of the
+    group leaves nothing behind, and signals from the watchdog's terminal (Ctrl-C) reach the
+    trainer only through the watchdog, which forwards them once.
+    """
+
+    def __init__(self, command: Sequence[str], resume_flag: str = RESUME_FLAG) -> None:
+        if not command:
+            raise ValueError("empty trainer command")
+        self.command = list(command)
+        self.resume_flag = resume_flag
+        self.label = redact(" ".join(self.command))  # what events and logs show; updated at each start
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def started_at(self) -> float:
+        return self._started_at
+
+    def argv(self, resume: bool) -> list[str]:
+        argv = list(self.command)
+        if resume and self.resume_flag not in argv:
+            argv.append(self.resume_flag)
+        return argv
+
+    def start(self, resume: bool) -> None:
+        argv = self.argv(resume)
+        self._started_at = time.time()
+        try:
+            # start_new_session: own session and process group (pgid == pid), no controlling tty.
+            self._proc = subprocess.Popen(argv, start_new_session=True)
+        except OSError as e:
+            raise StartError(f"cannot start the trainer command {argv[0]!r}: {e}") from e
+        self.label = redact(" ".join(argv))
+        log.info("started trainer pid %d: %s", self._proc.pid, self.label)
+
+    def poll(self) -> TrainerExit | None:
+        if self._proc is None:
+            raise RuntimeError("poll() before start()")
+        returncode = self._proc.poll()
+        if returncode is None:
+            return None
+        self._kill_group()  # stragglers: workers of a torchrun that died, dataloader helpers
+        return TrainerExit.from_returncode(returncode)
+
+    def signal(self, sig: int) -> None:
+        if self._proc is None or self._proc.returncode is not None:
+            return
+        try:
+            self._proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self._kill_group()
+
+    def _kill_group(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is already empty

@@ -1,0 +1,58 @@
+"""The watchdog's Prometheus metrics (names from x1_common.contracts), served by
+prometheus_client's own HTTP server. A busy port is a warning, never a failure: losing the
+graphs must not cost the run its supervisor."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from x1_common.contracts import M_WATCHDOG_DOWNTIME, M_WATCHDOG_RESTARTS, M_WATCHDOG_TRAINER_UP
+
+log = logging.getLogger(__name__)
+
+# Known relaunch reasons, created at zero so a dashboard shows the series before the first one.
+RESTART_REASONS = ("preempted", "crashed", "killed", "stall", "instance-preempted", "instance-stopped")
+
+
+class WatchdogMetrics:
+    def __init__(self) -> None:
+        # A registry of our own: no process/platform collectors mixed into the watchdog's page.
+        self.registry = CollectorRegistry()
+        self._restarts = Counter(
+            M_WATCHDOG_RESTARTS, "Trainer (or instance) relaunches, by reason.", ["reason"], registry=self.registry
+        )
+        self._up = Gauge(
+            M_WATCHDOG_TRAINER_UP,
+            "1 while the supervised trainer (provider mode: the instance) runs, else 0.",
+            registry=self.registry,
+        )
+        self._downtime = Counter(
+            M_WATCHDOG_DOWNTIME,
+            "Seconds between a trainer's exit (or an instance's loss) and its relaunch, summed.",
+            registry=self.registry,
+        )
+        for reason in RESTART_REASONS:
+            self._restarts.labels(reason=reason)
+
+    def serve(self, port: int, host: str) -> None:
+        """Starts the /metrics server on a daemon thread; port 0 disables it."""
+        if port == 0:
+            log.info("metrics disabled (--port 0)")
+            return
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            log.warning("metrics server not started on %s:%d (%s); supervising without it", host, port, e)
+            return
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def restarted(self, reason: str) -> None:
+        self._restarts.labels(reason=reason).inc()
+
+    def add_downtime(self, seconds: float) -> None:
+        self._downtime.inc(max(0.0, seconds))
+
+    def set_up(self, up: bool) -> None:
+        self._up.set(1 if up else 0)

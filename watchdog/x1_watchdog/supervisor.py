@@ -1,0 +1,276 @@
+"""The supervisor: one state machine for process and docker mode (SPEC §3's decision table).
+
+    start ─▶ watch ─▶ exit ─┬─ final code (0, 2, 76, 77, 78, 79) ─▶ persist, alert, [terminate], stop
+       ▲                    ├─ stop requested (SIGTERM/SIGINT forwarded) ─▶ stop, nothing persisted as final
+       │                    ├─ too many relaunches in the window ─▶ give_up: persist, alert, stop
+       └── backoff ◀────────┴─ 75, crash, kill, stall
+
+Each decision is a line in the events file; the final ones also go to the state file, which a
+restarted watchdog reads before it launches anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from x1_common.contracts import ExitCode
+from x1_watchdog.handles import TrainerExit, TrainerHandle
+from x1_watchdog.metrics import WatchdogMetrics
+from x1_watchdog.policy import RestartPolicy, StallDetector
+from x1_watchdog.records import EventLog, StateStore
+
+log = logging.getLogger(__name__)
+
+# Final codes a person must hear about (SPEC §3: "stop, alert"); 0 and 2 only stop.
+ALERT_EXIT_CODES = frozenset(
+    {ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.LAUNCH_REFUSED, ExitCode.DIVERGED}
+)
+
+# How long to wait for a SIGKILLed trainer to be reaped before calling it unkillable.
+KILL_WAIT_SECONDS = 30.0
+
+
+class Alerter(Protocol):
+    """x1_common.alerts.AlertSender's shape: send() never raises, returns the channels that delivered."""
+
+    def send(self, kind: str, subject: str, body: str, fields: dict[str, Any] | None = None) -> list[str]: ...
+
+
+class StopRequest:
+    """SIGTERM/SIGINT to the watchdog: remembered here, acted on by the loop (signal handlers
+    only set flags). A second signal means "now": the supervisor stops waiting for the trainer's
+    emergency checkpoint and kills it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signum: int | None = None
+        self.count = 0
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signum = signum
+        self.count += 1
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleeps up to `seconds`; True as soon as a stop is requested."""
+        return self._event.wait(max(0.0, seconds))
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    term_grace_seconds: float  # SIGTERM → SIGKILL: the trainer's emergency checkpoint must fit
+    check_seconds: float  # how often the loop looks at the trainer and the heartbeat
+
+
+@dataclass(frozen=True)
+class Outcome:
+    exit: TrainerExit
+    cause: str | None  # "stall" when the watchdog ended the trainer, else None
+    stop_requested: bool  # the watchdog was asked to stop (SIGTERM/SIGINT), and forwarded it
+
+    @property
+    def reason(self) -> str:
+        return self.cause or self.exit.reason
+
+
+def exit_fields(ex: TrainerExit) -> dict[str, Any]:
+    fields: dict[str, Any] = {"exit_code": ex.code}
+    if ex.signal is not None:
+        fields["signal"] = ex.signal
+    if ex.detail:
+        fields["detail"] = ex.detail
+    return fields
+
+
+class Supervisor:
+    def __init__(
+        self,
+        handle: TrainerHandle,
+        detector: StallDetector,
+        policy: RestartPolicy,
+        settings: SupervisorSettings,
+        state: StateStore,
+        events: EventLog,
+        metrics: WatchdogMetrics,
+        alerter: Alerter,
+        stop: StopRequest,
+        on_final: Callable[[int, str], None] = lambda code, reason: None,
+    ) -> None:
+        self.handle = handle
+        self.detector = detector
+        self.policy = policy
+        self.settings = settings
+        self.state = state
+        self.events = events
+        self.metrics = metrics
+        self.alerter = alerter
+        self.stop = stop
+        self.on_final = on_final  # after a final decision is persisted: e.g. terminate the instance
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervises until a final decision or a stop request; returns the watchdog's exit code."""
+        final = self.state.final
+        if final is not None:
+            log.warning(
+                "state file %s holds a final decision (%s, exit code %d at %s): not launching the trainer; "
+                "pass --reset-state to start a new run",
+                self.state.path, final.get("reason"), final["exit_code"], final.get("time"),
+            )
+            self.on_final(final["exit_code"], str(final.get("reason")))
+            return int(final["exit_code"])
+
+        # A state file with starts but no final decision: a run in progress whose watchdog was
+        # restarted (reboot, compose). Its trainer must resume, not start over.
+        resume = self.state.starts > 0
+        downtime: float | None = None
+        while True:
+            self._start(resume, downtime)
+            outcome = self._watch()
+            exited_at = time.monotonic()
+            self.metrics.set_up(False)
+            ex = outcome.exit
+            self.state.record_exit(ex.code, outcome.reason)
+            self.events.write(
+                "exit", **exit_fields(ex), reason=outcome.reason, pid=self.handle.pid,
+                restart=self.state.restarts_total, runtime_seconds=round(time.time() - self.handle.started_at, 3),
+                stop_requested=outcome.stop_requested,
+            )
+            if outcome.stop_requested:
+                log.info("trainer exited with %d after the forwarded stop; not relaunching", ex.code)
+                return ex.code
+            if outcome.cause is None and not ex.relaunchable:
+                return self._final(ex)
+
+            now = time.time()
+            if not self.policy.may_relaunch(self.state.restart_times, now):
+                return self._give_up(outcome)
+            delay = self.policy.delay_seconds(self.state.restart_times, now)
+            log.warning("trainer ended (%s, exit code %d); relaunching in %.1f s", outcome.reason, ex.code, delay)
+            if self.stop.wait(delay):
+                log.info("stop requested during the backoff; not relaunching")
+                return ex.code
+            downtime = time.monotonic() - exited_at
+            restart = self.state.record_restart(time.time(), self.policy.window_seconds)
+            self.metrics.restarted(outcome.reason)
+            self.metrics.add_downtime(downtime)
+            self.events.write(
+                "relaunch", **exit_fields(ex), reason=outcome.reason, restart=restart,
+                downtime_seconds=round(downtime, 3), delay_seconds=round(delay, 3),
+            )
+            resume = True
+
+    def _start(self, resume: bool, downtime: float | None) -> None:
+        self.handle.start(resume)
+        self.detector.arm(self.handle.started_at)
+        self.state.record_start()
+        self.metrics.set_up(True)
+        self.events.write(
+            "start", pid=self.handle.pid, trainer=self.handle.label, resume=resume,
+            restart=self.state.restarts_total, downtime_seconds=None if downtime is None else round(downtime, 3),
+        )
+
+    def _watch(self) -> Outcome:
+        while True:
+            ex = self.handle.poll()
+            if ex is not None:
+                return Outcome(ex, cause=None, stop_requested=False)
+            if self.stop.requested:
+                return Outcome(self._forward_stop(), cause=None, stop_requested=True)
+            stalled = self.detector.check(time.time())
+            if stalled:
+                log.error("trainer pid %s stalled: %s; terminating it", self.handle.pid, stalled)
+                self.events.write(
+                    "stall", pid=self.handle.pid, reason="stall", detail=stalled,
+                    heartbeat_age_seconds=self.detector.heartbeat_age(time.time()), restart=self.state.restarts_total,
+                )
+                return Outcome(self._terminate(), cause="stall", stop_requested=self.stop.requested)
+            self.stop.wait(self.settings.check_seconds)
+
+    # -- ending a trainer ----------------------------------------------------------------------
+
+    def _forward_stop(self) -> TrainerExit:
+        sig = self.stop.signum or signal.SIGTERM
+        log.info("forwarding %s to the trainer; waiting up to %g s for its emergency checkpoint",
+                 signal.Signals(sig).name, self.settings.term_grace_seconds)
+        self.handle.signal(sig)
+        return self._wait_or_kill(self.settings.term_grace_seconds, impatient=True)
+
+    def _terminate(self) -> TrainerExit:
+        """SIGTERM, then SIGCONT (a frozen process acts on its SIGTERM only once continued), grace, SIGKILL."""
+        self.handle.signal(signal.SIGTERM)
+        self.handle.signal(signal.SIGCONT)
+        return self._wait_or_kill(self.settings.term_grace_seconds, impatient=False)
+
+    def _wait_or_kill(self, grace: float, impatient: bool) -> TrainerExit:
+        deadline = time.monotonic() + grace
+        stops_seen = self.stop.count
+        while time.monotonic() < deadline:
+            ex = self.handle.poll()
+            if ex is not None:
+                return ex
+            if impatient and self.stop.count > stops_seen:
+                log.warning("second stop signal: killing the trainer now")
+                break
+            time.sleep(min(0.1, self.settings.check_seconds))
+        else:
+            log.error("trainer pid %s still running %g s after SIGTERM: SIGKILL", self.handle.pid, grace)
+        self.handle.kill()
+        deadline = time.monotonic() + KILL_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            ex = self.handle.poll()
+            if ex is not None:
+                return ex
+            time.sleep(0.05)
+        raise RuntimeError(f"trainer pid {self.handle.pid} survived SIGKILL for {KILL_WAIT_SECONDS:g} s")
+
+    # -- final decisions -----------------------------------------------------------------------
+
+    def _final(self, ex: TrainerExit) -> int:
+        reason = ex.reason
+        self.state.record_final(ex.code, reason)
+        log.info("trainer exited with %d (%s): final, not relaunching", ex.code, reason)
+        if ex.code in ALERT_EXIT_CODES:
+            self.alerter.send(
+                "watchdog-stop", f"trainer stopped: {reason} (exit {ex.code})",
+                f"The trainer exited with code {ex.code} ({reason}). The watchdog will not relaunch it.",
+                {"exit_code": ex.code, "reason": reason},
+            )
+        self.on_final(ex.code, reason)
+        return ex.code
+
+    def _give_up(self, outcome: Outcome) -> int:
+        ex = outcome.exit
+        recent = self.policy.recent(self.state.restart_times, time.time())
+        detail = (
+            f"{recent} relaunches in the last {self.policy.window_seconds:g} s reached --max-restarts "
+            f"{self.policy.max_restarts}; last exit: {outcome.reason} (exit code {ex.code})"
+        )
+        log.error("giving up: %s", detail)
+        delivered = self.alerter.send(
+            "watchdog-give-up", f"watchdog gave up: {outcome.reason} (exit {ex.code})", detail,
+            {"exit_code": ex.code, "reason": outcome.reason, "restarts_in_window": recent},
+        )
+        self.events.write(
+            "give_up", **exit_fields(ex), reason=outcome.reason, restart=self.state.restarts_total,
+            restarts_in_window=recent, max_restarts=self.policy.max_restarts,
+            window_seconds=self.policy.window_seconds, alerted=delivered, detail=detail,
+        )
+        self.state.record_final(ex.code, "given-up", last_reason=outcome.reason)
+        self.on_final(ex.code, "given-up")
+        return ex.code
