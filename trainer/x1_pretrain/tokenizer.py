@@ -10,6 +10,7 @@ import functools
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
@@ -25,7 +26,7 @@ def gpt2_vocab_files() -> tuple[Path, Path]:
     return Path(str(data / "vocab.bpe")), Path(str(data / "encoder.json"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpt2_encoding() -> tiktoken.Encoding:
     vocab_bpe, encoder_json = gpt2_vocab_files()
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(vocab_bpe), encoder_json_file=str(encoder_json))
@@ -48,3 +49,19 @@ def get_encoding(name: str) -> tiktoken.Encoding:
 def encode_document(text: str) -> list[int]:
     """Token ids of one document. A literal "<|endoftext|>" in the text is ordinary text."""
     return gpt2_encoding().encode_ordinary(text)
+
+
+def encode_document_array(text: str) -> np.ndarray:
+    """`encode_document(text)` as a uint32 array, without building a Python list of ints.
+
+    The tokenizing pipeline calls this per document: the list round trip would cost it ~10% of
+    the raw encoder's rate. No special token is allowed, so a literal "<|endoftext|>" stays text.
+    """
+    core = gpt2_encoding()._core_bpe
+    try:
+        buffer = core.encode_to_tiktoken_buffer(text, set())
+    except UnicodeEncodeError:
+        # Lone surrogates (JSON "\ud800" escapes): tiktoken's encode_ordinary replaces them the same way.
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        buffer = core.encode_to_tiktoken_buffer(text, set())
+    return np.frombuffer(buffer, dtype=np.uint32)
