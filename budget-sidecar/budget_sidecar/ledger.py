@@ -1,0 +1,203 @@
+"""The sidecar's bookkeeping: what has been spent, kept so that it never goes down.
+
+Spend comes from the provider where the provider can say it, and from the sidecar's own clock
+where it cannot:
+
+- Lambda has no billing endpoint and no launch time: spend = price × billed time, measured by the
+  sidecar from its first sight of the instance (plus `initial_hours` for what came before).
+- RunPod: costPerHr × runtime.uptimeInSeconds. Uptime restarts from 0 when a pod is resumed, so
+  finished runs are added up separately.
+- static (on-prem): a fixed rate on the sidecar's own clock.
+
+A failed poll never lowers the spend: it keeps growing at the last known rate and, after
+`stale_after_failures` failures in a row, the reading says `stale`. The ledger is persisted next
+to budget.json after every poll, so a restarted sidecar carries on from where it was, and charges
+the time it was down at the last known rate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from x1_common.contracts import BudgetReading, format_utc
+from x1_common.fsutil import write_json_atomic
+from x1_common.providers import BILLING_STATUSES, Instance
+
+log = logging.getLogger("x1.budget_sidecar")
+
+
+@dataclass
+class Ledger:
+    """Everything the sidecar must remember across a restart. Times are unix seconds (wall clock)."""
+
+    provider: str
+    instance_id: str
+    first_seen: float | None = None  # first successful poll
+    accrued_until: float | None = None  # wall time up to which spend has been added
+    spent_usd: float = 0.0  # never decreases
+    hours_elapsed: float = 0.0  # billed hours
+    rate_usd_per_hr: float | None = None  # last known
+    billing: bool = True  # was the instance billing at the last poll
+    instance_status: str | None = None
+    consecutive_failures: int = 0
+    poll_failures_total: int = 0
+    last_success: float | None = None
+    last_error: str | None = None
+    # RunPod: money and hours of the pod's finished runs (before its last resume).
+    finished_runs_usd: float = 0.0
+    finished_runs_hours: float = 0.0
+    run_usd: float = 0.0  # current run as RunPod reports it
+    run_hours: float = 0.0
+    last_uptime_s: float = 0.0
+
+    # --- persistence ------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: Path, provider: str, instance_id: str) -> Ledger:
+        """The persisted ledger, or a fresh one. A ledger of another instance of the same run (a
+        relaunch gives a new id) keeps its spend: the budget is for the run, not the instance."""
+        fresh = cls(provider=provider, instance_id=instance_id)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            known = {f.name for f in fields(cls)}
+            old = cls(**{k: v for k, v in data.items() if k in known})
+        except FileNotFoundError:
+            return fresh
+        except (OSError, ValueError, TypeError) as e:
+            # Refusing to start would stop budget.json altogether; starting from zero would hide spend.
+            # Keep going, loudly: the trainer's own extrapolation of the last budget.json still holds.
+            log.error("cannot read the ledger %s (%s): starting a new one; spend before this is NOT counted", path, e)
+            return fresh
+        if old.provider != provider:
+            log.warning("ledger %s is for provider %s, not %s: starting a new one", path, old.provider, provider)
+            return fresh
+        if old.instance_id != instance_id:
+            log.warning(
+                "instance changed from %s to %s: carrying over $%.2f and %.2f h already spent",
+                old.instance_id, instance_id, old.spent_usd, old.hours_elapsed,
+            )
+            # The old instance is gone (preempted or terminated); its downtime is not billed.
+            return cls(
+                provider=provider, instance_id=instance_id, first_seen=old.first_seen, spent_usd=old.spent_usd,
+                hours_elapsed=old.hours_elapsed, rate_usd_per_hr=old.rate_usd_per_hr,
+                poll_failures_total=old.poll_failures_total, finished_runs_usd=old.spent_usd,
+                finished_runs_hours=old.hours_elapsed,
+            )
+        log.info("resuming the ledger %s: $%.4f spent over %.3f h", path, old.spent_usd, old.hours_elapsed)
+        return old
+
+    def save(self, path: Path) -> None:
+        write_json_atomic(path, asdict(self))
+
+    # --- accounting -------------------------------------------------------------------------
+    def _accrue(self, now: float, time_scale: float, rate: float | None, billing: bool) -> None:
+        """Charge the wall time since `accrued_until` at `rate`, on the (scaled) billed clock."""
+        if self.accrued_until is not None and rate is not None and billing:
+            hours = max(0.0, now - self.accrued_until) * time_scale / 3600.0
+            self.spent_usd += rate * hours
+            self.hours_elapsed += hours
+        self.accrued_until = now if self.accrued_until is None else max(self.accrued_until, now)
+
+    def record_success(self, now: float, inst: Instance | None, *, time_scale: float, static_rate: float | None = None,
+                       initial_hours: float = 0.0) -> None:
+        """A poll that answered. `inst` None means the static provider (rate `static_rate`)."""
+        rate = static_rate if inst is None else inst.price_usd_per_hr
+        if rate is None or not math.isfinite(rate) or rate < 0:
+            raise ValueError("the provider gave no usable price")
+        billing_now = True if inst is None else inst.status in BILLING_STATUSES
+        if self.first_seen is None:
+            self.first_seen = now
+            if initial_hours:
+                self.spent_usd += rate * initial_hours
+                self.hours_elapsed += initial_hours
+        # For the time since the last poll we know neither when the price changed nor when the
+        # instance stopped: charge the higher of the two rates, and bill if it billed at either end.
+        interval_rate = rate if self.rate_usd_per_hr is None else max(rate, self.rate_usd_per_hr)
+        if self.provider == "runpod" and inst is not None:
+            if inst.uptime_seconds is not None:
+                self._accrue_runpod(now, inst, rate, time_scale)
+            else:
+                # A pod without runtime (starting, stopped, interrupted): its run, if any, is over.
+                self._close_runpod_run()
+                self._accrue(now, time_scale, interval_rate, self.billing)
+        else:
+            self._accrue(now, time_scale, interval_rate, self.billing or billing_now)
+        self.rate_usd_per_hr = rate
+        self.billing = billing_now
+        self.instance_status = "running" if inst is None else inst.status
+        self.consecutive_failures = 0
+        self.last_success = now
+        self.last_error = None
+
+    def _close_runpod_run(self) -> None:
+        if self.run_usd or self.run_hours:
+            self.finished_runs_usd += self.run_usd
+            self.finished_runs_hours += self.run_hours
+        self.run_usd = self.run_hours = self.last_uptime_s = 0.0
+
+    def _accrue_runpod(self, now: float, inst: Instance, rate: float, time_scale: float) -> None:
+        uptime = float(inst.uptime_seconds or 0.0)
+        if uptime + 1.0 < self.last_uptime_s:
+            self._close_runpod_run()  # resumed: uptime started again from 0
+        self.last_uptime_s = uptime
+        self.run_usd = rate * uptime / 3600.0
+        self.run_hours = uptime / 3600.0
+        # The provider's figure wins when it is higher; an estimate made during an outage that
+        # overshot is kept (spend never goes down) until the provider's figure passes it.
+        self.spent_usd = max(self.spent_usd, self.finished_runs_usd + self.run_usd)
+        self.hours_elapsed = max(self.hours_elapsed, self.finished_runs_hours + self.run_hours)
+        self.accrued_until = now
+
+    def record_failure(self, now: float, error: str, *, time_scale: float) -> None:
+        """A poll that did not answer: spend keeps rising at the last known rate."""
+        self._accrue(now, time_scale, self.rate_usd_per_hr, self.billing)
+        self.consecutive_failures += 1
+        self.poll_failures_total += 1
+        self.last_error = error
+
+    def catch_up(self, now: float, time_scale: float) -> None:
+        """At start-up: charge the time the sidecar was down (the instance kept billing)."""
+        if self.accrued_until is not None and self.rate_usd_per_hr is not None:
+            down_h = max(0.0, now - self.accrued_until) * time_scale / 3600.0
+            if down_h > 0:
+                log.info("charging %.3f billed hours while the sidecar was down, at $%.2f/h", down_h, self.rate_usd_per_hr)
+            self._accrue(now, time_scale, self.rate_usd_per_hr, self.billing)
+
+    # --- the reading ------------------------------------------------------------------------
+    def reading(self, now: float, *, cap_usd: float, planned_hours: float | None, stale_after_failures: int,
+                source: str) -> BudgetReading | None:
+        """budget.json's content, or None while no rate has ever been known."""
+        if self.rate_usd_per_hr is None:
+            return None
+        rest_h = max(planned_hours - self.hours_elapsed, 0.0) if planned_hours else 0.0
+        return BudgetReading(
+            spent_usd=round(self.spent_usd, 6),
+            rate_usd_per_hr=self.rate_usd_per_hr,
+            hours_elapsed=round(self.hours_elapsed, 6),
+            projected_total_usd=round(self.spent_usd + self.rate_usd_per_hr * rest_h, 6),
+            last_update_utc=datetime.fromtimestamp(now, timezone.utc),
+            cap_usd=cap_usd,
+            provider=self.provider,
+            instance_id=self.instance_id or None,
+            source=source,
+            stale=self.consecutive_failures >= stale_after_failures,
+        )
+
+
+def reading_document(reading: BudgetReading, ledger: Ledger, time_scale: float) -> dict[str, Any]:
+    """budget.json: the seed's five keys, ours, and a few informative ones (never a secret)."""
+    doc = reading.to_dict()
+    # Sub-second precision: at a test's time scale a second is minutes of billing.
+    doc["last_update_utc"] = format_utc(reading.last_update_utc).replace(
+        "Z", f".{reading.last_update_utc.microsecond:06d}Z"
+    )
+    doc["instance_status"] = ledger.instance_status
+    doc["consecutive_failures"] = ledger.consecutive_failures
+    if time_scale != 1.0:
+        doc["time_scale"] = time_scale  # tests and demo: readers extrapolate age x time_scale
+    return doc

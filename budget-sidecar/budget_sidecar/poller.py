@@ -1,0 +1,104 @@
+"""One poll: ask the provider, update the ledger, persist it, rewrite budget.json.
+
+The poll runs on the scheduler's thread; the HTTP endpoints only read `Poller.snapshot()`, so a
+slow or hanging provider never blocks /budget, /healthz or /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from budget_sidecar.ledger import Ledger, reading_document
+from budget_sidecar.settings import SidecarSettings
+from x1_common.fsutil import write_json_atomic
+from x1_common.providers import LambdaClient, ProviderError, RunPodClient
+
+log = logging.getLogger("x1.budget_sidecar")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the endpoints serve: the last budget.json document and the counters behind it."""
+
+    document: dict[str, Any] | None
+    stale: bool
+    consecutive_failures: int
+    poll_failures_total: int
+    last_update: float | None  # unix seconds of the last budget.json write
+
+
+class Poller:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        client: LambdaClient | RunPodClient | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if client is None and settings.provider != "static":
+            raise ValueError(f"provider {settings.provider} needs an API client")
+        self.settings = settings
+        self.client = client
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.ledger = Ledger.load(settings.state_path, settings.provider, settings.instance_id)
+        self.ledger.catch_up(clock(), settings.time_scale)
+        self._snapshot = Snapshot(None, True, self.ledger.consecutive_failures, self.ledger.poll_failures_total, None)
+        if self.ledger.rate_usd_per_hr is not None:
+            # A restart with a known rate can serve (and write) an estimate before the first poll.
+            self._publish(self.clock(), source="estimate")
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return self._snapshot
+
+    def poll_once(self) -> None:
+        s = self.settings
+        try:
+            inst = None if self.client is None else self.client.get_instance(s.instance_id)
+            now = self.clock()
+            self.ledger.record_success(
+                now, inst, time_scale=s.time_scale, static_rate=s.rate_usd_per_hr, initial_hours=s.initial_hours
+            )
+        except (ProviderError, ValueError) as e:
+            now = self.clock()
+            self.ledger.record_failure(now, str(e), time_scale=s.time_scale)
+            log.warning("poll failed (%d in a row): %s", self.ledger.consecutive_failures, e)
+            source = "estimate"
+        except Exception as e:  # a bug must not stop budget.json: count it as a failed poll
+            now = self.clock()
+            self.ledger.record_failure(now, f"{type(e).__name__}: {e}", time_scale=s.time_scale)
+            log.exception("poll crashed (%d in a row)", self.ledger.consecutive_failures)
+            source = "estimate"
+        else:
+            # static has no provider to ask: its figure is an estimate by nature.
+            source = "estimate" if s.provider == "static" else "provider-api"
+        self._publish(now, source)
+
+    def _publish(self, now: float, source: str) -> None:
+        s = self.settings
+        self.ledger.save(s.state_path)  # first: a crash between the two writes never loses spend
+        reading = self.ledger.reading(
+            now, cap_usd=s.cap_usd, planned_hours=s.planned_hours, stale_after_failures=s.stale_after_failures,
+            source=source,
+        )
+        doc = None if reading is None else reading_document(reading, self.ledger, s.time_scale)
+        if doc is not None:
+            write_json_atomic(s.output, doc)
+            log.info(
+                "%s: spent $%.4f at $%.2f/h over %.3f h, projected $%.2f of $%.2f%s",
+                self.ledger.instance_status or "?", reading.spent_usd, reading.rate_usd_per_hr, reading.hours_elapsed,
+                reading.projected_total_usd, s.cap_usd, " (STALE)" if reading.stale else "",
+            )
+        with self._lock:
+            self._snapshot = Snapshot(
+                document=doc,
+                stale=doc is None or bool(doc["stale"]),
+                consecutive_failures=self.ledger.consecutive_failures,
+                poll_failures_total=self.ledger.poll_failures_total,
+                last_update=now if doc is not None else self._snapshot.last_update,
+            )
