@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start a helper process in the stub's process group (as torchrun's workers are) "
                         "and write its pid here")
     p.add_argument("--starts-file", type=Path, default=None,
-                   help="append one JSON line per start: pid, argv, the step it starts from")
+                   help="append one JSON line per start (pid, argv, the step it starts from, time) and one per "
+                        "exit that is not a kill (pid, exit code, step, time)")
     p.add_argument("--resume-from-latest", action="store_true")
     return p.parse_args(argv)
 
@@ -69,6 +70,11 @@ class Stub:
         while self.stop_signal is None and time.monotonic() < deadline:
             time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
 
+    def record(self, fields: dict[str, object]) -> None:
+        if self.args.starts_file:
+            with open(self.args.starts_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"pid": os.getpid(), "time": time.time(), **fields}) + "\n")
+
     def emergency_exit(self) -> int:
         self.beat("checkpointing")
         self.save()
@@ -80,9 +86,7 @@ class Stub:
         signal.signal(signal.SIGINT, self.on_signal)
         if a.resume_from_latest and a.progress_file.exists():
             self.step = int(json.loads(a.progress_file.read_text())["step"])
-        if a.starts_file:
-            with open(a.starts_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "from_step": self.step}) + "\n")
+        self.record({"argv": sys.argv[1:], "from_step": self.step})
         if a.worker_pid_file:
             worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
             write_json_atomic(a.worker_pid_file, {"pid": worker.pid})
@@ -107,5 +111,12 @@ class Stub:
         return a.exit_code
 
 
+def main() -> int:
+    stub = Stub(parse_args())
+    code = stub.run()
+    stub.record({"exit": code, "step": stub.step})
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(Stub(parse_args()).run())
+    sys.exit(main())

@@ -109,7 +109,11 @@ class Workdir:
 
     @property
     def starts(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.starts_file)
+        return [r for r in read_jsonl(self.starts_file) if "argv" in r]
+
+    @property
+    def ends(self) -> list[dict[str, Any]]:
+        return [r for r in read_jsonl(self.starts_file) if "exit" in r]
 
     @property
     def state(self) -> dict[str, Any]:
@@ -163,38 +167,6 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-# --------------------------------------------------------------------------------------------
-# SPEC §3: final codes stop, and stay stopped
-
-
-@pytest.mark.parametrize("code", [0, 2, 76, 77, 78, 79])
-def test_final_exit_code_is_never_relaunched_even_by_a_restarted_watchdog(wd: Workdir, code: int):
-    rc = wd.run(["--steps", "1", "--step-seconds", "0.05", "--exit-code", str(code)])
-    assert rc == code, wd.log()
-    assert wd.kinds() == ["start", "exit"]
-    exit_event = wd.events[1]
-    assert exit_event["exit_code"] == code and exit_event["reason"] == end_reason(code)
-    assert wd.state["final"]["exit_code"] == code
-
-    # compose (or a reboot) restarts the watchdog: it reads the decision and launches nothing.
-    rc = wd.run(["--steps", "1", "--step-seconds", "0.05", "--exit-code", str(code)])
-    assert rc == code, wd.log()
-    assert wd.kinds() == ["start", "exit"]
-    assert len(wd.starts) == 1
-    assert "final decision" in wd.log()
-
-
-def test_reset_state_starts_a_new_run_after_a_final_decision(wd: Workdir):
-    assert wd.run(["--steps", "1", "--step-seconds", "0.05"]) == 0
-    assert wd.run(["--steps", "1", "--step-seconds", "0.05"], "--reset-state") == 0, wd.log()
-    assert len(wd.starts) == 2
-    assert "--resume-from-latest" not in wd.starts[1]["argv"]  # a new run starts from scratch
-
-
-# --------------------------------------------------------------------------------------------
-# Crashes: backoff, give-up, alert
-
-
 class SlackReceiver:
     """A real HTTP server standing where Slack's incoming webhook would be."""
 
@@ -223,29 +195,70 @@ class SlackReceiver:
         self.server.server_close()
 
 
-def test_trainer_that_crashes_every_time_is_given_up_after_max_restarts_with_an_alert(wd: Workdir):
-    slack = SlackReceiver()
+# --------------------------------------------------------------------------------------------
+# SPEC §3: final codes stop, and stay stopped
+
+
+@pytest.fixture
+def slack() -> Iterator[SlackReceiver]:
+    receiver = SlackReceiver()
     try:
-        env = cli_env(SLACK_WEBHOOK_URL=slack.url)
-        rc = wd.run(["--steps", "5", "--step-seconds", "0.01", "--crash"], "--max-restarts", "2", env=env)
-        assert rc == 1, wd.log()
-        assert wd.kinds() == ["start", "exit", "relaunch", "start", "exit", "relaunch", "start", "exit", "give_up"]
-        relaunches = [e for e in wd.events if e["event"] == "relaunch"]
-        assert [e["reason"] for e in relaunches] == ["crashed", "crashed"]
-        assert [e["delay_seconds"] for e in relaunches] == [0.05, 0.1]  # exponential backoff
-        give_up = wd.events[-1]
-        assert give_up["exit_code"] == 1 and give_up["restarts_in_window"] == 2 and give_up["alerted"] == ["webhook"]
-        assert wd.state["final"]["reason"] == "given-up"
-
-        wait_until(lambda: slack.posts, 10, "the Slack POST")
-        assert "gave up" in slack.posts[0]["text"]
-        assert slack.url not in wd.log()  # the webhook URL is a secret
-
-        # A restarted watchdog honours the give-up.
-        assert wd.run(["--steps", "5", "--crash"], env=env) == 1
-        assert len(wd.starts) == 3
+        yield receiver
     finally:
-        slack.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("code", [0, 2, 76, 77, 78, 79])
+def test_final_exit_code_is_never_relaunched_even_by_a_restarted_watchdog(wd: Workdir, slack: SlackReceiver, code: int):
+    env = cli_env(SLACK_WEBHOOK_URL=slack.url)
+    rc = wd.run(["--steps", "1", "--step-seconds", "0.05", "--exit-code", str(code)], env=env)
+    assert rc == code, wd.log()
+    assert wd.kinds() == ["start", "exit"]
+    exit_event = wd.events[1]
+    assert exit_event["exit_code"] == code and exit_event["reason"] == end_reason(code)
+    assert wd.state["final"]["exit_code"] == code
+    # SPEC §3: budget stops, a refused launch and a divergence are alerted; a finish and a bad config are not.
+    assert len(slack.posts) == (1 if code in (76, 77, 78, 79) else 0)
+
+    # compose (or a reboot) restarts the watchdog: it reads the decision and launches nothing.
+    rc = wd.run(["--steps", "1", "--step-seconds", "0.05", "--exit-code", str(code)], env=env)
+    assert rc == code, wd.log()
+    assert wd.kinds() == ["start", "exit"]
+    assert len(wd.starts) == 1
+    assert "final decision" in wd.log()
+
+
+def test_reset_state_starts_a_new_run_after_a_final_decision(wd: Workdir):
+    assert wd.run(["--steps", "1", "--step-seconds", "0.05"]) == 0
+    assert wd.run(["--steps", "1", "--step-seconds", "0.05"], "--reset-state") == 0, wd.log()
+    assert len(wd.starts) == 2
+    assert "--resume-from-latest" not in wd.starts[1]["argv"]  # a new run starts from scratch
+
+
+# --------------------------------------------------------------------------------------------
+# Crashes: backoff, give-up, alert
+
+
+def test_trainer_that_crashes_every_time_is_given_up_after_max_restarts_with_an_alert(
+    wd: Workdir, slack: SlackReceiver
+):
+    env = cli_env(SLACK_WEBHOOK_URL=slack.url)
+    rc = wd.run(["--steps", "5", "--step-seconds", "0.01", "--crash"], "--max-restarts", "2", env=env)
+    assert rc == 1, wd.log()
+    assert wd.kinds() == ["start", "exit", "relaunch", "start", "exit", "relaunch", "start", "exit", "give_up"]
+    relaunches = [e for e in wd.events if e["event"] == "relaunch"]
+    assert [e["reason"] for e in relaunches] == ["crashed", "crashed"]
+    assert [e["delay_seconds"] for e in relaunches] == [0.05, 0.1]  # exponential backoff
+    give_up = wd.events[-1]
+    assert give_up["exit_code"] == 1 and give_up["restarts_in_window"] == 2 and give_up["alerted"] == ["webhook"]
+    assert wd.state["final"]["reason"] == "given-up"
+
+    assert len(slack.posts) == 1 and "gave up" in slack.posts[0]["text"]
+    assert slack.url not in wd.log()  # the webhook URL is a secret
+
+    # A restarted watchdog honours the give-up.
+    assert wd.run(["--steps", "5", "--crash"], env=env) == 1
+    assert len(wd.starts) == 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,6 +363,26 @@ def test_sigterm_to_the_watchdog_is_forwarded_and_not_followed_by_a_relaunch(wd:
     # `docker compose up` again: the run continues from the emergency checkpoint.
     assert wd.run(stub) == 0, wd.log()
     assert wd.starts[1]["argv"].count("--resume-from-latest") == 1 and wd.starts[1]["from_step"] == saved
+
+
+def test_trainer_left_by_a_killed_watchdog_is_stopped_before_the_next_one_starts(wd: Workdir):
+    stub = ["--steps", "14", "--step-seconds", "0.2"]
+    proc = wd.start(stub)
+    orphan = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the trainer")
+    wait_until(lambda: wd.heartbeat_of(orphan, 2), 30, "step 2")
+    os.kill(proc.pid, signal.SIGKILL)  # the watchdog dies; its trainer, in its own session, does not
+    proc.wait(10)
+    assert alive(orphan)
+
+    assert wd.run(stub) == 0, wd.log()
+    assert not alive(orphan)
+    assert "still running" in wd.log()
+    second = wd.starts[1]
+    # The orphan got SIGTERM and saved before the new trainer started: one writer at a time.
+    orphan_end = next(e for e in wd.ends if e["pid"] == orphan)
+    assert orphan_end["exit"] == 75 and orphan_end["time"] < second["time"]
+    assert second["from_step"] == orphan_end["step"] and second["argv"].count("--resume-from-latest") == 1
+    assert json.loads(wd.progress.read_text())["step"] == 14
 
 
 # --------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="provider mode, Lambda: the persistent file system holding /workspace; repeatable")
     g.add_argument("--gpu-count", type=int, default=1, help="provider mode, RunPod: GPUs for podResume (default 1)")
     g.add_argument("--recover-timeout-seconds", type=float, default=900.0,
-                   help="provider mode: a brought-back instance not running after this long counts as lost (default 900)")
+                   help="provider mode: alert when a brought-back instance is not running after this long (default 900)")
     return p
 
 

@@ -126,6 +126,12 @@ class DockerHandle:
         if resp.status_code not in (204, 409):  # 409: not running any more, which is the goal
             log.warning("docker kill -s %s %s: HTTP %d", name, self.container, resp.status_code)
 
+    def identity(self) -> dict[str, Any] | None:
+        return {"container": self.container}
+
+    def end_leftover(self, identity: dict[str, Any], grace_seconds: float) -> None:
+        pass  # the container is the same one: start() adopts it if it still runs
+
     def kill(self) -> None:
         # Killing the container's main process ends its pid namespace: nothing inside survives.
         self.signal(signal.SIGKILL)

@@ -13,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from x1_common.contracts import end_reason, redact, should_relaunch
 
@@ -76,6 +76,15 @@ class TrainerHandle(Protocol):
 
     def kill(self) -> None:
         """SIGKILL to everything the trainer started: workers must not outlive it holding the GPU."""
+        ...
+
+    def identity(self) -> dict[str, Any] | None:
+        """What the state file keeps to recognise this trainer after a watchdog restart."""
+        ...
+
+    def end_leftover(self, identity: dict[str, Any], grace_seconds: float) -> None:
+        """Called by a restarted watchdog with the previous trainer's identity: a trainer that
+        outlived its watchdog must not run beside the next one (two writers of one checkpoint dir)."""
         ...
 
 
@@ -142,9 +151,48 @@ class ProcessHandle:
         self._kill_group()
 
     def _kill_group(self) -> None:
+        if self._proc is not None:
+            kill_group(self._proc.pid)
+
+    def identity(self) -> dict[str, Any] | None:
         if self._proc is None:
+            return None
+        return {"pid": self._proc.pid, "proc_start_ticks": proc_start_ticks(self._proc.pid)}
+
+    def end_leftover(self, identity: dict[str, Any], grace_seconds: float) -> None:
+        pid = identity.get("pid")
+        ticks = identity.get("proc_start_ticks")
+        # Same pid and same start time: the very process, not a later one that got its pid.
+        if not isinstance(pid, int) or ticks is None or proc_start_ticks(pid) != ticks:
             return
+        log.warning("trainer pid %d of a previous watchdog is still running: SIGTERM, up to %g s for its "
+                    "emergency checkpoint, then SIGKILL", pid, grace_seconds)
         try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # the group is already empty
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and proc_start_ticks(pid) == ticks:
+            time.sleep(0.1)
+        kill_group(pid)  # it, if still there, and whatever it started
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already empty
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None
+    when there is no such live process. A zombie counts as gone: it runs nothing."""
+    try:
+        stat = open(f"/proc/{pid}/stat", encoding="ascii", errors="replace").read()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 GAVE_UP = 1  # provider mode's exit code after a give-up (documented in --help)
 DOWN_STATUSES = ("preempted", "stopped")
+# After a bring-back, a "down" status this soon is the provider not having caught up yet.
+SETTLE_SECONDS = 60.0
 # Consecutive failed polls before a person hears about it (a 20 s poll: a minute of silence).
 ALERT_AFTER_FAILED_POLLS = 3
 
@@ -89,13 +91,14 @@ class InstanceKeeper:
         self.metrics = metrics
         self.alerter = alerter
         self.stop = stop
-        # A brought-back instance that is not running after this long counts as lost again.
+        # A brought-back instance not running after this long is worth an alert (never a second launch).
         self.recover_timeout_seconds = recover_timeout_seconds
         self.instance_id = state.instance_id or instance_id
         self.up = False
         self.seen = False  # the current instance has answered at least once
         self.down_since: float | None = None  # monotonic time the instance was seen lost
         self.recovering_since: float | None = None  # monotonic time of the last bring-back call
+        self.overdue_alerted = False
         self.failed_polls = 0
 
     # -- the loop ------------------------------------------------------------------------------
@@ -144,13 +147,14 @@ class InstanceKeeper:
             self._running()
             return None
         if inst.status in DOWN_STATUSES:
-            if self.recovering_since is not None and not self._recover_timed_out():
-                return None  # brought back a moment ago; the provider has not caught up yet
+            if self._settling():
+                return None  # brought back a moment ago; the provider's status has not caught up
             return self._lost(inst)
-        if self.recovering_since is not None and self._recover_timed_out():
-            return self._lost(inst)  # booting (or unhealthy) for too long after a bring-back
+        # booting, unhealthy, unknown: wait. Never a second launch while one may still come up:
+        # two instances bill twice.
         if inst.status != "booting":
             log.warning("instance %s is %s (%s); waiting", self.instance_id, inst.status, inst.raw_status)
+        self._check_overdue(inst)
         return None
 
     # -- transitions ---------------------------------------------------------------------------
@@ -174,7 +178,7 @@ class InstanceKeeper:
                  "" if downtime is None else f" again after {downtime:.0f} s down")
 
     def _lost(self, inst: Instance) -> int | None:
-        reason = f"instance-{inst.status}" if inst.status in DOWN_STATUSES else "instance-not-recovered"
+        reason = f"instance-{inst.status}"
         if self.up or self.recovering_since is not None or self.down_since is None:
             self.events.write("exit", instance_id=self.instance_id, provider=self.provider, reason=reason,
                               raw_status=inst.raw_status, exit_code=None, restart=self.state.restarts_total)
@@ -189,12 +193,12 @@ class InstanceKeeper:
         if not self.policy.may_relaunch(self.state.restart_times, now):
             return self._give_up(reason)
         delay = self.policy.delay_seconds(self.state.restart_times, now)
-        log.warning("instance %s is %s (%s); bringing it back in %.1f s", self.instance_id, inst.status,
+        log.warning("instance %s is %s (%s); bringing it back in %g s", self.instance_id, inst.status,
                     inst.raw_status, delay)
         if self.stop.wait(delay):
             return None  # the loop sees the stop at its next wait
         restart = self.state.record_restart(time.time(), self.policy.window_seconds)
-        self.metrics.restarted(reason if reason != "instance-not-recovered" else "instance-preempted")
+        self.metrics.restarted(reason)
         previous = self.instance_id
         try:
             new_id, response = self._bring_back(inst)
@@ -212,6 +216,7 @@ class InstanceKeeper:
             self.state.record_instance(new_id, self.origin_id)
             self.seen = False
         self.recovering_since = time.monotonic()
+        self.overdue_alerted = False
         self.events.write("relaunch", ok=True, instance_id=new_id, previous_instance_id=previous,
                           provider=self.provider, reason=reason, restart=restart, delay_seconds=round(delay, 3),
                           downtime_seconds=round(time.monotonic() - self.down_since, 3), response=response)
@@ -261,9 +266,19 @@ class InstanceKeeper:
             log.warning("could not list instances to look for %s: %s", name, e)
         return None
 
-    def _recover_timed_out(self) -> bool:
-        return (self.recovering_since is not None
-                and time.monotonic() - self.recovering_since > self.recover_timeout_seconds)
+    def _settling(self) -> bool:
+        return self.recovering_since is not None and time.monotonic() - self.recovering_since < SETTLE_SECONDS
+
+    def _check_overdue(self, inst: Instance) -> None:
+        if (self.recovering_since is None or self.overdue_alerted
+                or time.monotonic() - self.recovering_since < self.recover_timeout_seconds):
+            return
+        self.overdue_alerted = True
+        detail = (f"instance {self.instance_id} is still {inst.raw_status} {self.recover_timeout_seconds:g} s after "
+                  "being brought back; it may be billing without running the job")
+        log.error("%s", detail)
+        self.alerter.send("watchdog-recover-overdue", f"instance {self.instance_id} not running", detail,
+                          {"instance_id": self.instance_id, "provider": self.provider})
 
     def _terminated(self, raw_status: str) -> int:
         log.info("instance %s is %s: the run is over (terminated by its watchdog or by you)",

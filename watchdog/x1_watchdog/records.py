@@ -145,8 +145,14 @@ class StateStore:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def record_start(self) -> int:
+    @property
+    def trainer(self) -> dict[str, Any] | None:
+        """The identity of the trainer started last (see TrainerHandle.identity)."""
+        return self.data.get("trainer")
+
+    def record_start(self, trainer: dict[str, Any] | None = None) -> int:
         self.data["starts"] += 1
+        self.data["trainer"] = trainer
         self._save()
         return self.starts
 

@@ -138,6 +138,8 @@ class Supervisor:
         # A state file with starts but no final decision: a run in progress whose watchdog was
         # restarted (reboot, compose). Its trainer must resume, not start over.
         resume = self.state.starts > 0
+        if self.state.trainer is not None:
+            self.handle.end_leftover(self.state.trainer, self.settings.term_grace_seconds)
         downtime: float | None = None
         while True:
             self._start(resume, downtime)
@@ -178,7 +180,7 @@ class Supervisor:
     def _start(self, resume: bool, downtime: float | None) -> None:
         self.handle.start(resume)
         self.detector.arm(self.handle.started_at)
-        self.state.record_start()
+        self.state.record_start(self.handle.identity())
         self.metrics.set_up(True)
         self.events.write(
             "start", pid=self.handle.pid, trainer=self.handle.label, resume=resume,
