@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# x1-train: `python -m x1_pretrain.train ARGS`, or the same under torchrun when NPROC > 1.
+#
+#   NPROC=1 (default)   exec python -m x1_pretrain.train ARGS
+#   NPROC=N             torchrun --standalone --nproc_per_node=N ... x1_pretrain.train ARGS
+#   X1_TRAIN_EXTRA_ARGS appended to ARGS, split on spaces ("--inject-spike-at-step 12000")
+#
+# The trainer's exit code is what the watchdog acts on (75 relaunch, 76/77 budget stop, 0 done,
+# ...). torchrun reports any failed worker as exit 1, so under torchrun each worker runs through
+# this script's --worker mode, which records rank 0's exit code in a file; the launcher then exits
+# with that code instead of torchrun's.
+set -euo pipefail
+
+if [[ "${1:-}" == "--worker" ]]; then
+  shift
+  # torchrun signals the worker's whole process group, so python receives SIGTERM itself and
+  # writes its emergency checkpoint. The trap only keeps this shell alive until python has exited
+  # and its code is recorded (a trapped signal runs after the foreground child returns).
+  trap 'true' TERM INT
+  code=0
+  python -m x1_pretrain.train "$@" || code=$?
+  if [[ "${RANK:-0}" == 0 && -n "${X1_RANK0_EXIT_FILE:-}" ]]; then
+    echo "$code" > "$X1_RANK0_EXIT_FILE"
+  fi
+  exit "$code"
+fi
+
+nproc="${NPROC:-1}"
+if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
+  echo "x1-train: NPROC must be a whole number >= 1 (processes, one per GPU), got '$nproc'" >&2
+  exit 2
+fi
+
+extra=()
+if [[ -n "${X1_TRAIN_EXTRA_ARGS:-}" ]]; then
+  read -r -a extra <<< "$X1_TRAIN_EXTRA_ARGS"
+fi
+
+if [[ "$nproc" == 1 ]]; then
+  # One process: python replaces this shell and receives docker's SIGTERM directly.
+  exec python -m x1_pretrain.train "$@" "${extra[@]}"
+fi
+
+X1_RANK0_EXIT_FILE="$(mktemp -t x1-rank0-exit.XXXXXX)"
+export X1_RANK0_EXIT_FILE
+torchrun --standalone --nproc_per_node="$nproc" --no-python "$0" --worker "$@" "${extra[@]}" &
+launcher=$!
+# docker stop signals this shell only; torchrun passes the signal on to every worker.
+trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM
+trap 'kill -INT "$launcher" 2>/dev/null || true' INT
+status=0
+while :; do
+  wait "$launcher" && status=0 || status=$?
+  # A trapped signal cuts `wait` short; keep waiting while torchrun shuts the workers down.
+  kill -0 "$launcher" 2>/dev/null || break
+done
+
+if [[ -s "$X1_RANK0_EXIT_FILE" ]]; then
+  status="$(<"$X1_RANK0_EXIT_FILE")"
+fi
+rm -f "$X1_RANK0_EXIT_FILE"
+exit "$status"
