@@ -34,7 +34,8 @@ modes:
   process   runs the trainer command given after `--` as a child in its own process group;
             SIGTERM/SIGINT to the watchdog are forwarded to it, and the watchdog waits up to
             --term-grace-seconds for its emergency checkpoint, then exits with its code (75)
-            without relaunching (a second signal kills it at once).
+            without relaunching (a second signal kills it at once). To stop a run, stop the
+            watchdog: a trainer that exits 75 on its own is relaunched, as after a preemption.
   docker    drives the trainer container (--container) through the Docker Engine API on the
             mounted socket (API v1.43): inspect, start, kill. Exercised on the GPU host only:
             the container's own command carries --resume-from-latest. The Docker socket is
@@ -54,13 +55,18 @@ example (process mode):
   python -m x1_watchdog --mode process --heartbeat-file /workspace/logs/heartbeat.json \\
       --events-file /workspace/logs/watchdog-events.jsonl --state-file /workspace/logs/watchdog-state.json \\
       -- python -m x1_pretrain.train --config configs/x1-50m-a100.yaml ...
+
+example (provider mode, on your machine; LAMBDA_API_KEY in the environment):
+  python -m x1_watchdog --mode provider --provider lambda --instance-id 0920582c7ff041399e34823a0be62549 \
+      --user-data-file cloud-init.yaml --file-system-name x1-fs
 """
 
 EPILOG = """\
 exit codes: the trainer's final code (0 finished, 2 bad config, 76/77 budget stop, 78 launch
 refused, 79 diverged); after a give-up, the last trainer code; 75 after a forwarded SIGTERM;
-2 for a usage error of the watchdog itself. Provider mode: 0 once the instance is terminated,
-1 after a give-up or when the instance cannot be brought back.
+2 for a usage error of the watchdog itself. Provider mode: 0 once the instance is terminated
+(or on SIGTERM/SIGINT), 1 after a give-up (bring-backs that keep failing count too), 2 when
+the API key is refused or the instance does not exist.
 """
 
 
@@ -95,8 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backoff-max-seconds", type=float, default=60.0, help="cap on the backoff delay (default 60)")
 
     g = p.add_argument_group("records and metrics")
-    g.add_argument("--events-file", type=Path, default=Path("/workspace/logs/watchdog-events.jsonl"))
-    g.add_argument("--state-file", type=Path, default=Path("/workspace/logs/watchdog-state.json"))
+    g.add_argument("--events-file", type=Path,
+                   help="JSON lines, one per decision (default /workspace/logs/watchdog-events.jsonl; "
+                        "provider mode: ./watchdog-provider-events.jsonl)")
+    g.add_argument("--state-file", type=Path,
+                   help="the decisions a restarted watchdog honours (default /workspace/logs/watchdog-state.json; "
+                        "provider mode: ./watchdog-provider-state.json)")
     g.add_argument("--reset-state", action="store_true",
                    help="forget the recorded decisions (a final stop included) and start a new run")
     g.add_argument("--port", type=int, default=WATCHDOG_METRICS_PORT,
@@ -110,19 +120,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--provider", choices=PROVIDERS)
     g.add_argument("--api-url", help="the provider's base URL (default: the real API)")
     g.add_argument("--instance-id", help="the instance (Lambda) or pod (RunPod) id")
-    g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"))
+    g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"),
+                   help="where --terminate-on-finish writes the provider's answer (default %(default)s)")
     g.add_argument("--poll-seconds", type=float, default=20.0, help="provider mode: status poll period (default 20)")
     g.add_argument("--instance-type", help="provider mode, Lambda: type to relaunch (default: the preempted one's)")
     g.add_argument("--region", help="provider mode, Lambda: region to relaunch in (default: the preempted one's)")
     g.add_argument("--user-data-file", type=Path,
                    help="provider mode, Lambda: cloud-init user-data for the relaunch (runs `docker compose up`)")
-    g.add_argument("--ssh-key-name", action="append", default=[], help="provider mode, Lambda: repeatable")
+    g.add_argument("--ssh-key-name", action="append", default=[],
+                   help="provider mode, Lambda: repeatable (default: the preempted one's)")
     g.add_argument("--file-system-name", action="append", default=[],
-                   help="provider mode, Lambda: the persistent file system holding /workspace; repeatable")
+                   help="provider mode, Lambda: the persistent file system holding /workspace; repeatable "
+                        "(default: the preempted one's)")
     g.add_argument("--gpu-count", type=int, default=1, help="provider mode, RunPod: GPUs for podResume (default 1)")
     g.add_argument("--recover-timeout-seconds", type=float, default=900.0,
                    help="provider mode: alert when a brought-back instance is not running after this long (default 900)")
     return p
+
+
+# Beside the trainer, the records live on the shared volume; off the GPU host (provider mode),
+# in the directory the keeper runs from.
+DEFAULT_FILES = {
+    "events_file": (Path("/workspace/logs/watchdog-events.jsonl"), Path("watchdog-provider-events.jsonl")),
+    "state_file": (Path("/workspace/logs/watchdog-state.json"), Path("watchdog-provider-state.json")),
+}
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -161,6 +182,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: li
     if args.mode == "docker" and not args.container:
         p.error("--container is required in docker mode")
 
+    for name, (beside_trainer, off_host) in DEFAULT_FILES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, off_host if args.mode == "provider" else beside_trainer)
+
     needs_provider = args.mode == "provider" or args.terminate_on_finish
     if needs_provider:
         what = "provider mode" if args.mode == "provider" else "--terminate-on-finish"
@@ -198,12 +223,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         state = StateStore(args.state_file, fresh=args.reset_state)
-    except StateError as e:
+        events = EventLog(args.events_file)
+    except (StateError, OSError) as e:
         log.error("%s", e)
         return ExitCode.USAGE
     if args.reset_state:
         log.warning("--reset-state: previous decisions in %s forgotten", args.state_file)
-    events = EventLog(args.events_file)
     metrics = WatchdogMetrics()
     metrics.serve(args.port, args.metrics_host)
     stop = StopRequest()
