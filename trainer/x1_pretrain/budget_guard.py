@@ -1,0 +1,482 @@
+"""The budget guard (SPEC §6): the trainer's side of the budget contract. There is no silent-overspend mode.
+
+    guard = BudgetGuard.from_config(cfg.budget)     # NullGuard when --budget-cap-usd is not given
+    pre = guard.prelaunch()                          # waits for a first reading; 77 / 78 refuse the launch
+    ...
+    decision = guard.maybe_check()                   # every optimizer step; reads every check_every_min
+    if decision.exit_code: ...                       # 76: checkpoint then exit; 77: exit now
+
+The reading is budget.json (a path) or the sidecar's /budget (a URL). Spend is always judged
+extrapolated — `spent_usd + rate_usd_per_hr × age of the reading` — never the raw figure and never
+zero; an unreadable source means "no new reading", and the last one keeps being extrapolated.
+The rules, in order:
+
+1. spent > cap: exit 77 at once, no checkpoint write;
+2. projected total > cap: clean checkpoint, exit 76;
+3. spent > alert line: email + webhook, once per crossing;
+4. rate > 1.2 × planned rate: warning alert (the planned rate is the first reading's when not given);
+5. reading older than stale_after_min or marked stale: stale-data alert, once per episode.
+
+No torch here: the dry run and the tests import this without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from x1_common.alerts import AlertSender
+from x1_common.contracts import BudgetFormatError, BudgetReading, ExitCode
+from x1_pretrain.config import BudgetConfig, ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+RATE_WARNING_FACTOR = 1.2  # the seed: an hourly rate 20% over plan is worth a human's look
+READ_TIMEOUT_S = 5.0  # one HTTP read of the sidecar's /budget
+
+_log = logging.getLogger("x1.budget_guard")
+
+
+class Action(str, Enum):
+    CONTINUE = "continue"
+    CHECKPOINT_AND_EXIT = "checkpoint-and-exit"
+    EXIT_NOW = "exit-now"
+    REFUSE_LAUNCH = "refuse-launch"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    exit_code: int | None  # 76 / 77 / 78, None for CONTINUE
+    reason: str  # one human sentence, printed and logged
+    spent_usd: float | None  # extrapolated spend judged (None when no reading yet)
+    projected_usd: float | None
+    alerts: tuple[str, ...] = ()  # alert kinds raised during this check: "alert-line", "rate", "stale"
+
+
+class ReadError(Exception):
+    """No usable reading from the source this time (missing, unreachable, torn, invalid)."""
+
+
+def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReading, float]:
+    """The reading at `uri` (a path or an http(s) URL) and its time scale (1 outside tests and the demo)."""
+    try:
+        if uri.startswith(("http://", "https://")):
+            with urllib.request.urlopen(uri, timeout=timeout) as resp:
+                data = json.loads(resp.read())
+        else:
+            data = json.loads(Path(uri).read_text(encoding="utf-8"))
+        reading = BudgetReading.from_dict(data)
+    except urllib.error.HTTPError as e:
+        raise ReadError(f"{uri}: HTTP {e.code}") from None
+    except (urllib.error.URLError, TimeoutError, OSError) as e:
+        raise ReadError(f"{uri}: {getattr(e, 'reason', None) or e}") from None
+    except (ValueError, BudgetFormatError) as e:  # JSONDecodeError is a ValueError
+        raise ReadError(f"{uri}: {e}") from None
+    scale = data.get("time_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        scale = 1.0
+    return reading, float(scale)
+
+
+def usd(x: float) -> str:
+    from x1_pretrain.plan import usd as plan_usd  # $35 / $26.40, the seed's style
+
+    return plan_usd(x)
+
+
+def planned_sentence(rate: float, hours: float, cap: float, max_price: float) -> tuple[str, bool]:
+    """The seed's pre-launch sentence for this run, and whether the launch is acceptable."""
+    cost = rate * hours
+    head = f"This run is planned at {usd(rate)}/h, ~{hours:g} h including setup = {usd(cost)}. Budget: {usd(cap)}. "
+    reasons = []
+    if rate > max_price:
+        reasons.append(f"price {usd(rate)}/h is over the max price {usd(max_price)}/h")
+    if cost > cap:
+        reasons.append(f"projected {usd(cost)} is over the budget {usd(cap)}")
+    if reasons:
+        return head + "Refused: " + "; ".join(reasons) + ".", False
+    return head + f"Confirmed acceptable, {usd(cap - cost)} buffer.", True
+
+
+class BudgetGuard:
+    enabled = True
+
+    def __init__(
+        self,
+        cfg: BudgetConfig,
+        alerts: AlertSender | None = None,
+        clock: Callable[[], float] = time.time,
+        log: logging.Logger = _log,
+        *,
+        reader: Callable[[], tuple[BudgetReading, float]] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if cfg.cap_usd is None:
+            raise ValueError("BudgetGuard needs cap_usd; use BudgetGuard.from_config for the off switch")
+        self.cfg = cfg
+        self.cap: float = cfg.cap_usd
+        self.alerts = alerts if alerts is not None else AlertSender()
+        self.clock = clock
+        self.log = log
+        self.sleep = sleep
+        self._read = reader or (lambda: read_source(cfg.curr_cost_uri))
+        self.last_reading: BudgetReading | None = None
+        self._time_scale = 1.0
+        self._last_check: float | None = None
+        self.planned_rate: float | None = cfg.planned_rate_usd_per_hr
+        # One alert per crossing: each flag is set when its alert goes out, cleared when the
+        # condition clears, so a second crossing alerts again.
+        self._over_alert_line = False
+        self._rate_high = False
+        self._stale = False
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: BudgetConfig,
+        alerts: AlertSender | None = None,
+        clock: Callable[[], float] = time.time,
+        log: logging.Logger = _log,
+        **kw: Any,
+    ) -> BudgetGuard | NullGuard:
+        """The guard, or NullGuard when cfg.cap_usd is None. Alerts from the environment by default
+        (ConfigError naming the variable when a channel is half-configured)."""
+        if cfg.cap_usd is None:
+            return NullGuard()
+        if alerts is None:
+            try:
+                alerts = AlertSender.from_env()
+            except ValueError as e:
+                raise ConfigError(f"alerts: {e}") from None
+        guard = cls(cfg, alerts, clock, log, **kw)
+        log.info(
+            "budget guard on: cap %s, alert at %s, reading %s every %g min, channels: %s",
+            usd(guard.cap), usd(cfg.alert_usd), cfg.curr_cost_uri, cfg.check_every_min,
+            ", ".join(alerts.channels) or "none (alerts only logged)",
+        )
+        return guard
+
+    # --- the numbers --------------------------------------------------------------------------
+    def _age_s(self, reading: BudgetReading, now: float) -> float:
+        return max(0.0, now - reading.last_update_utc.timestamp())
+
+    def _extrapolate(self, reading: BudgetReading, now: float) -> tuple[float, float]:
+        """(spent, projected) at `now` if the meter kept running at the reading's rate."""
+        billed_h = self._age_s(reading, now) * self._time_scale / 3600.0
+        spent = reading.spent_usd + reading.rate_usd_per_hr * billed_h
+        # The projection already counts the remaining planned hours at the same rate: only the
+        # spend itself can overtake it (a run that outlives its plan).
+        return spent, max(reading.projected_total_usd, spent)
+
+    def spent_usd_now(self) -> float | None:
+        """Extrapolated spend now, for MLflow and Prometheus; None before any reading."""
+        if self.last_reading is None:
+            return None
+        return self._extrapolate(self.last_reading, self.clock())[0]
+
+    def _try_read(self) -> str | None:
+        """Read the source into last_reading; the error in words when there is no new reading."""
+        try:
+            reading, scale = self._read()
+        except ReadError as e:
+            return str(e)
+        self.last_reading, self._time_scale = reading, scale
+        return None
+
+    # --- start ------------------------------------------------------------------------------
+    def prelaunch(self) -> Decision:
+        cfg = self.cfg
+        if cfg.planned_rate_usd_per_hr is not None and cfg.planned_hours is not None:
+            sentence, ok = planned_sentence(cfg.planned_rate_usd_per_hr, cfg.planned_hours, self.cap,
+                                            cfg.max_price_usd_per_hr)
+            self.log.info("%s", sentence)
+            if not ok:
+                return Decision(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED, sentence, None, None)
+
+        timeout_s = cfg.first_reading_timeout_min * 60.0
+        deadline = self.clock() + timeout_s
+        every = min(5.0, max(0.2, timeout_s / 20))
+        next_note = self.clock()
+        while True:
+            why = self._try_read()
+            now = self.clock()
+            if why is None and self.last_reading is not None:
+                age = self._age_s(self.last_reading, now)
+                if age <= cfg.stale_after_min * 60.0:
+                    break
+                why = f"the reading is {age / 60:.1f} min old (fresh means under {cfg.stale_after_min:g} min)"
+            if now >= deadline:
+                reason = (f"no fresh budget reading from {cfg.curr_cost_uri} within {cfg.first_reading_timeout_min:g} min "
+                          f"({why}): launch refused")
+                self.log.error("%s", reason)
+                return Decision(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED, reason, None, None)
+            if now >= next_note:
+                self.log.info("waiting for a first budget reading from %s (%.0f s left): %s",
+                              cfg.curr_cost_uri, deadline - now, why)
+                next_note = now + 30.0
+            self.sleep(every)
+
+        reading = self.last_reading
+        assert reading is not None
+        now = self.clock()
+        self._last_check = now
+        if self.planned_rate is None:
+            self.planned_rate = reading.rate_usd_per_hr
+            self.log.info("planned rate taken from the first reading: %s/h", usd(self.planned_rate))
+        spent, projected = self._extrapolate(reading, now)
+        if spent > self.cap:
+            return self._decide(Action.EXIT_NOW, ExitCode.BUDGET_SPENT,
+                                f"spent {usd(spent)} is already over the cap {usd(self.cap)}: not starting", spent, projected)
+        if reading.rate_usd_per_hr > cfg.max_price_usd_per_hr:
+            return self._decide(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED,
+                                f"price {usd(reading.rate_usd_per_hr)}/h is over the max price "
+                                f"{usd(cfg.max_price_usd_per_hr)}/h: launch refused", spent, projected)
+        if projected > self.cap:
+            return self._decide(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED,
+                                f"projected total {usd(projected)} is over the cap {usd(self.cap)}: launch refused",
+                                spent, projected)
+        return self._judge(now, prefix="launch accepted")
+
+    # --- during the run ---------------------------------------------------------------------
+    def maybe_check(self) -> Decision:
+        """Cheap enough for every optimizer step: reads only when check_every_min has passed."""
+        now = self.clock()
+        if self._last_check is not None and now - self._last_check < self.cfg.check_every_min * 60.0:
+            spent, projected = (None, None) if self.last_reading is None else self._extrapolate(self.last_reading, now)
+            return Decision(Action.CONTINUE, None, "budget check not due", spent, projected)
+        return self.check()
+
+    def check(self) -> Decision:
+        """Read now and apply the rules in order."""
+        now = self.clock()
+        self._last_check = now
+        why = self._try_read()
+        if why is not None:
+            self.log.warning("no new budget reading (%s): judging the last one, extrapolated", why)
+        if self.last_reading is None:
+            reason = f"no budget reading at all from {self.cfg.curr_cost_uri} ({why})"
+            sent = self._raise_once("stale", True, "Budget data missing", reason, {})
+            self.log.error("%s", reason)
+            return Decision(Action.CONTINUE, None, reason, None, None, sent)
+        return self._judge(now)
+
+    def _judge(self, now: float, prefix: str = "continue") -> Decision:
+        reading = self.last_reading
+        assert reading is not None
+        spent, projected = self._extrapolate(reading, now)
+        age_min = self._age_s(reading, now) / 60.0
+        # 1. and 2.: the stops.
+        if spent > self.cap:
+            return self._decide(Action.EXIT_NOW, ExitCode.BUDGET_SPENT,
+                                f"spent {usd(spent)} (extrapolated from a reading {age_min:.0f} min old) is over the cap "
+                                f"{usd(self.cap)}: exiting now without a checkpoint", spent, projected)
+        if projected > self.cap:
+            return self._decide(Action.CHECKPOINT_AND_EXIT, ExitCode.BUDGET_PROJECTED,
+                                f"projected total {usd(projected)} is over the cap {usd(self.cap)} (spent {usd(spent)}): "
+                                "checkpoint and exit", spent, projected)
+        # 3. to 5.: alerts, no action.
+        fields = {"spent_usd": round(spent, 2), "projected_usd": round(projected, 2), "cap_usd": self.cap,
+                  "rate_usd_per_hr": reading.rate_usd_per_hr, "reading_age_min": round(age_min, 1),
+                  "source": reading.source or "?"}
+        sent: list[str] = []
+        sent += self._raise_once(
+            "alert-line", spent > self.cfg.alert_usd, f"Budget: {usd(spent)} spent, over the {usd(self.cfg.alert_usd)} alert line",
+            f"Spend {usd(spent)} has crossed the alert line {usd(self.cfg.alert_usd)}; cap {usd(self.cap)}, "
+            f"projected {usd(projected)}. No action taken.", fields)
+        planned = self.planned_rate
+        rate_high = planned is not None and reading.rate_usd_per_hr > RATE_WARNING_FACTOR * planned
+        sent += self._raise_once(
+            "rate", rate_high, f"Budget: rate {usd(reading.rate_usd_per_hr)}/h is over 1.2x the plan",
+            f"The hourly rate {usd(reading.rate_usd_per_hr)}/h is over {RATE_WARNING_FACTOR:g} x the planned "
+            f"{usd(planned or 0)}/h. Decide whether to stop the run or let it continue; projected {usd(projected)} "
+            f"of {usd(self.cap)}.", fields)
+        stale = reading.stale or age_min > self.cfg.stale_after_min
+        sent += self._raise_once(
+            "stale", stale, "Budget data stale",
+            f"The budget reading is {age_min:.0f} min old{' and marked stale by the sidecar' if reading.stale else ''}; "
+            f"spend is judged extrapolated at {usd(reading.rate_usd_per_hr)}/h = {usd(spent)}.", fields)
+        notes = [n for n, on in (("alert line crossed", "alert-line" in sent), ("rate over plan", "rate" in sent),
+                                 ("stale reading", "stale" in sent)) if on]
+        reason = (f"{prefix}: spent {usd(spent)}, projected {usd(projected)} of {usd(self.cap)}"
+                  + (f" ({', '.join(notes)})" if notes else ""))
+        self.log.info("budget: %s", reason)
+        return Decision(Action.CONTINUE, None, reason, spent, projected, tuple(sent))
+
+    def _raise_once(self, kind: str, condition: bool, subject: str, body: str, fields: Mapping[str, Any]) -> list[str]:
+        flag = {"alert-line": "_over_alert_line", "rate": "_rate_high", "stale": "_stale"}[kind]
+        if not condition:
+            setattr(self, flag, False)
+            return []
+        if getattr(self, flag):
+            return []
+        setattr(self, flag, True)
+        self.alerts.send(kind, subject, body, dict(fields))  # never raises
+        return [kind]
+
+    def _decide(self, action: Action, code: int, reason: str, spent: float | None, projected: float | None) -> Decision:
+        self.log.error("budget: %s", reason)
+        return Decision(action, int(code), reason, spent, projected)
+
+
+class NullGuard:
+    """The guard when --budget-cap-usd is not given: never reads, never stops."""
+
+    enabled = False
+    last_reading: BudgetReading | None = None
+
+    _OFF = Decision(Action.CONTINUE, None, "budget guard off (no --budget-cap-usd)", None, None)
+
+    def prelaunch(self) -> Decision:
+        return self._OFF
+
+    def maybe_check(self) -> Decision:
+        return self._OFF
+
+    def check(self) -> Decision:
+        return self._OFF
+
+    def spent_usd_now(self) -> float | None:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# --dry-run-budget: simulated readings through every rule.
+
+
+class _RecordingAlerts(AlertSender):
+    """Alerts in the dry run: recorded, never sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+
+    def send(self, kind: str, subject: str, body: str, fields: Mapping[str, Any] | None = None) -> list[str]:
+        self.sent.append(kind)
+        return []
+
+
+@dataclass(frozen=True)
+class _Step:
+    title: str
+    call: str  # "plan" (the sentence alone), "prelaunch" or "check"
+    reading: dict[str, Any] | None  # spent, rate, projected, age_min, stale; None: the source fails
+    expect: tuple[Action, int | None, tuple[str, ...]]
+    new_guard: bool = False
+
+
+def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
+    alert, maxp = cfg.alert_usd, cfg.max_price_usd_per_hr
+    rate = min(cfg.planned_rate_usd_per_hr or 1.10, maxp)
+    stale_age = cfg.stale_after_min + 5
+    C, X, N, R = Action.CONTINUE, Action.CHECKPOINT_AND_EXIT, Action.EXIT_NOW, Action.REFUSE_LAUNCH
+
+    def r(spent: float, projected: float | None = None, rate_: float = rate, age: float = 0.0, stale: bool = False):
+        return {"spent": spent, "rate": rate_, "projected": spent if projected is None else projected,
+                "age_min": age, "stale": stale}
+
+    low = min(1.0, alert / 4)
+    if cfg.planned_rate_usd_per_hr is not None and cfg.planned_hours is not None:
+        _, ok = planned_sentence(cfg.planned_rate_usd_per_hr, cfg.planned_hours, cap, maxp)
+        yield _Step("start: the plan itself (the pre-launch sentence)", "plan", None,
+                    (C, None, ()) if ok else (R, 78, ()))
+    yield _Step("start: no reading comes", "prelaunch", None, (R, 78, ()), new_guard=True)
+    yield _Step("start: price over the max price", "prelaunch", r(low, low, rate_=maxp + 0.5), (R, 78, ()), new_guard=True)
+    yield _Step("start: projection over the cap", "prelaunch", r(low, cap + 5), (R, 78, ()), new_guard=True)
+    yield _Step("start: spent already over the cap", "prelaunch", r(cap + 1), (N, 77, ()), new_guard=True)
+    yield _Step("start: a good first reading", "prelaunch", r(low, alert - 1), (C, None, ()), new_guard=True)
+    yield _Step("run: under every line", "check", r(alert - 2, alert - 1), (C, None, ()))
+    yield _Step("run: spent crosses the alert line", "check", r(alert + 0.5, alert + 1), (C, None, ("alert-line",)))
+    yield _Step("run: still over the line (no second alert)", "check", r(alert + 0.8, alert + 1), (C, None, ()))
+    yield _Step(f"run: rate over {RATE_WARNING_FACTOR:g}x the plan", "check",
+                r(alert + 0.9, alert + 1, rate_=(cfg.planned_rate_usd_per_hr or rate) * 1.5), (C, None, ("rate",)))
+    yield _Step("run: the sidecar marks its reading stale", "check", r(alert + 1, alert + 1, stale=True),
+                (C, None, ("stale",)))
+    yield _Step("run: fresh again (stale alert re-armed)", "check", r(alert + 1.1, alert + 1.1), (C, None, ()))
+    yield _Step(f"run: a reading {stale_age:g} min old", "check", r(alert + 1.1, alert + 1.1, age=stale_age),
+                (C, None, ("stale",)))
+    yield _Step("run: the source is unreadable (the last reading, extrapolated)", "check", None, (C, None, ()))
+    yield _Step("run: projected total over the cap", "check", r(alert + 1.5, cap + 2), (X, 76, ()))
+    gap_h = 1.0
+    old_spent = cap - rate * gap_h / 2
+    yield _Step(f"run: an old stale reading, extrapolated {gap_h:g} h at its rate, passes the cap", "check",
+                r(old_spent, old_spent, age=60 * gap_h, stale=True), (N, 77, ()), new_guard=True)
+    yield _Step("run: spent over the cap", "check", r(cap + 0.5), (N, 77, ()), new_guard=True)
+
+
+def dry_run(cfg: BudgetConfig, out: Callable[[str], None] = print) -> int:
+    """Walk simulated readings through every rule, print each decision. 0 when each rule decided as
+    the contract says (1 would mean a bug in the guard)."""
+    cap = cfg.cap_usd if cfg.cap_usd is not None else 35.0
+    cfg = cfg.model_copy(update={"cap_usd": cap, "first_reading_timeout_min": min(cfg.first_reading_timeout_min, 5.0)})
+    out(f"Budget guard dry run: cap {usd(cap)}{'' if cfg.cap_usd else ' (no --budget-cap-usd: simulated)'}, "
+        f"alert line {usd(cfg.alert_usd)}, max price {usd(cfg.max_price_usd_per_hr)}/h, stale after "
+        f"{cfg.stale_after_min:g} min. Simulated readings, simulated clock; no alert is sent.")
+    t = [1_900_000_000.0]
+    quiet = logging.getLogger("x1.budget_guard.dry_run")
+    quiet.propagate, quiet.disabled = False, True
+    current: list[dict[str, Any] | None] = [None]
+
+    def reader() -> tuple[BudgetReading, float]:
+        d = current[0]
+        if d is None:
+            raise ReadError("simulated: source unreadable")
+        updated = datetime.fromtimestamp(t[0] - d["age_min"] * 60.0, timezone.utc)
+        return BudgetReading(spent_usd=d["spent"], rate_usd_per_hr=d["rate"], hours_elapsed=0.0,
+                             projected_total_usd=d["projected"], last_update_utc=updated, cap_usd=cap,
+                             stale=d["stale"]), 1.0
+
+    def sleep(s: float) -> None:
+        t[0] += s
+
+    # The plan is judged once on its own; the other steps leave it out so that each reaches its rule.
+    run_cfg = cfg.model_copy(update={"planned_hours": None})
+    guard: BudgetGuard | None = None
+    failures = 0
+    for n, step in enumerate(_scenario(cfg, cap), 1):
+        alerts = _RecordingAlerts()
+        if guard is None or step.new_guard:
+            guard = BudgetGuard(run_cfg, alerts, clock=lambda: t[0], log=quiet, reader=reader, sleep=sleep)
+        guard.alerts = alerts
+        current[0] = step.reading
+        t[0] += 60.0
+        if step.call == "plan":
+            rate, hours = cfg.planned_rate_usd_per_hr or 0.0, cfg.planned_hours or 0.0
+            sentence, ok = planned_sentence(rate, hours, cap, cfg.max_price_usd_per_hr)
+            d = Decision(Action.CONTINUE if ok else Action.REFUSE_LAUNCH, None if ok else int(ExitCode.LAUNCH_REFUSED),
+                         sentence, None, None)
+        elif step.call == "prelaunch":
+            d = guard.prelaunch()
+        else:
+            d = guard.check()
+        if step.call == "plan":
+            seen = f"the plan: {usd(cfg.planned_rate_usd_per_hr or 0)}/h for {cfg.planned_hours:g} h"
+        elif step.reading is None:
+            seen = "no reading (source unreadable)"
+        else:
+            rd = step.reading
+            seen = (f"spent {usd(rd['spent'])}, rate {usd(rd['rate'])}/h, projected {usd(rd['projected'])}, "
+                    f"{rd['age_min']:g} min old{', marked stale' if rd['stale'] else ''}")
+        got = (d.action, d.exit_code, d.alerts)
+        ok = got == step.expect
+        failures += not ok
+        code = f" -> exit {d.exit_code}" if d.exit_code is not None else ""
+        out(f"{n:>2}. {step.title}")
+        out(f"    reading: {seen}")
+        out(f"    decision: {d.action.value}{code}; alerts: {', '.join(d.alerts) or 'none'}")
+        out(f"    {d.reason}")
+        if not ok:
+            out(f"    MISMATCH: expected {step.expect[0].value}, exit {step.expect[1]}, alerts {step.expect[2]}")
+    out("Every rule decided as the contract says." if not failures else f"{failures} decision(s) differ from the contract.")
+    return 0 if not failures else 1
