@@ -427,6 +427,15 @@ def test_corrupt_state_file_is_refused_with_exit_2(wd: Workdir):
     assert wd.starts == []
 
 
+def test_unwritable_records_are_refused_with_exit_2(wd: Workdir):
+    not_a_dir = wd.root / "logs-is-a-file"
+    not_a_dir.write_text("")
+    wd.state_file = not_a_dir / "state.json"  # fails even for root, unlike a chmod
+    assert wd.run(["--steps", "1"]) == 2
+    assert f"--state-file {wd.state_file}: cannot create its directory" in wd.log()
+    assert wd.starts == []
+
+
 def test_docker_mode_without_an_engine_says_so_and_exits_2(tmp_path: Path):
     proc = run_module(
         "x1_watchdog", "--mode", "docker", "--container", "x1-trainer", "--docker-socket", str(tmp_path / "no.sock"),

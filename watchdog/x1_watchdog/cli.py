@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -202,6 +203,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: li
         p.error("--terminate-on-finish belongs to the watchdog beside the trainer (process or docker mode)")
 
 
+def ensure_writable_dir(path: Path, option: str) -> None:
+    """Records that cannot be written are found at start, not at the first decision."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{option} {path}: cannot create its directory {path.parent} ({e.strerror})") from e
+    if not os.access(path.parent, os.W_OK):
+        raise OSError(f"{option} {path}: directory {path.parent} is not writable")
+
+
 def make_handle(args: argparse.Namespace, command: list[str]) -> TrainerHandle:
     if args.mode == "docker":
         from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
@@ -222,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
 
     try:
+        ensure_writable_dir(args.state_file, "--state-file")
+        ensure_writable_dir(args.events_file, "--events-file")
+        if args.terminate_on_finish:
+            ensure_writable_dir(args.termination_file, "--termination-file")
         state = StateStore(args.state_file, fresh=args.reset_state)
         events = EventLog(args.events_file)
     except (StateError, OSError) as e:

@@ -9,6 +9,7 @@ atomically, so a reboot mid-write leaves the old decision or the new one, never 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from datetime import datetime, timezone
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from x1_common.fsutil import write_json_atomic
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -36,13 +39,17 @@ class EventLog:
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "time": iso_time(), **fields}
         line = json.dumps(record, sort_keys=False) + "\n"
-        # O_APPEND: one write per line, so a reader tailing the file never sees half a line.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line.encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            # O_APPEND: one write per line, so a reader tailing the file never sees half a line.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode("utf-8"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            # A full disk must not kill the supervisor: an unsupervised trainer is worse than a gap.
+            log.error("event not written to %s (%s): %s", self.path, e, line.strip())
         return record
 
 
@@ -119,7 +126,11 @@ class StateStore:
 
     def _save(self) -> None:
         self.data["updated"] = iso_time()
-        write_json_atomic(self.path, self.data)
+        try:
+            write_json_atomic(self.path, self.data)
+        except OSError as e:
+            # Supervision goes on; a restarted watchdog would miss this decision, so say it loudly.
+            log.error("state file %s not written (%s); decisions since are in memory only", self.path, e)
 
     # -- reading -------------------------------------------------------------------------------
 
