@@ -303,7 +303,7 @@ def test_sigkilled_trainer_is_relaunched_with_resume_flag_once_and_its_workers_d
 
 def test_frozen_trainer_is_detected_as_stalled_terminated_and_relaunched(wd: Workdir):
     proc = wd.start(["--steps", "8", "--step-seconds", "0.2"],
-                    "--stall-seconds", "1.5", "--startup-grace-seconds", "1.5")
+                    "--stall-seconds", "3", "--startup-grace-seconds", "3")
     first = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the first trainer")
     wait_until(lambda: wd.heartbeat_of(first, 2), 30, "step 2")
     os.kill(first, signal.SIGSTOP)
@@ -313,7 +313,7 @@ def test_frozen_trainer_is_detected_as_stalled_terminated_and_relaunched(wd: Wor
     kinds = wd.kinds()
     assert kinds == ["start", "stall", "exit", "relaunch", "start", "exit"], kinds
     stall, exit_event, relaunch = wd.events[1:4]
-    assert stall["pid"] == first and stall["heartbeat_age_seconds"] > 1.5
+    assert stall["pid"] == first and stall["heartbeat_age_seconds"] > 3
     # SIGTERM then SIGCONT: the frozen trainer wakes up, saves and exits 75.
     assert exit_event["reason"] == "stall" and exit_event["exit_code"] == 75
     assert relaunch["reason"] == "stall"
@@ -323,7 +323,7 @@ def test_frozen_trainer_is_detected_as_stalled_terminated_and_relaunched(wd: Wor
 
 def test_trainer_deaf_to_sigterm_in_a_hang_is_killed_after_the_grace(wd: Workdir):
     proc = wd.start(["--steps", "4", "--step-seconds", "0.1", "--hang-at-step", "2"],
-                    "--stall-seconds", "1", "--startup-grace-seconds", "1", "--term-grace-seconds", "1")
+                    "--stall-seconds", "2", "--startup-grace-seconds", "2", "--term-grace-seconds", "1")
     assert proc.wait(60) == 0, wd.log()
     exits = [e for e in wd.events if e["event"] == "exit"]
     assert (exits[0]["reason"], exits[0]["exit_code"], exits[0]["signal"]) == ("stall", 137, 9)

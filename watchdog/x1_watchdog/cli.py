@@ -45,7 +45,8 @@ modes:
             through the provider's API and brings it back after a preemption (RunPod podResume
             of the same pod; Lambda a new instance of the same type and region with the same
             user-data and file system, whose cloud-init runs `docker compose up`), then follows
-            it; stops when the instance is terminated or a final decision is recorded.
+            it; stops when the instance is terminated or a final decision is recorded. A pod
+            you stop yourself is resumed too: stop the keeper first.
 
 Every decision is a JSON line in --events-file ("event": start, exit, relaunch, stall, give_up,
 terminate). Prometheus on --port: x1_watchdog_restarts_total{reason}, x1_watchdog_trainer_up,

@@ -308,6 +308,9 @@ class InstanceKeeper:
         if e.kind == "not-found" and self.seen:
             # Providers forget terminated instances after a while: gone is as good as terminated.
             return self._terminated("gone")
+        if e.kind == "not-found" and self.recovering_since is not None:
+            log.warning("instance %s launched a moment ago is not listed yet: %s", self.instance_id, e)
+            return None
         if e.kind in ("auth", "not-found"):
             what = "the API key was refused" if e.kind == "auth" else f"no instance {self.instance_id}"
             log.error("%s: %s", what, e)
