@@ -130,6 +130,9 @@ def test_api_down_for_three_polls_is_stale_and_spend_keeps_rising(stack, mode: s
     later = budget_when(s, lambda b: b["consecutive_failures"] > down["consecutive_failures"], timeout=60)
     assert later["spent_usd"] > down["spent_usd"]  # still rising while the API is down
     assert healthz_status(s) == 503
+    t0 = time.monotonic()
+    s.budget()  # served from memory while the poll thread waits on the provider
+    assert time.monotonic() - t0 < 2.0
     m = metrics(s)
     assert m["x1_budget_stale"] == 1.0 and m["x1_budget_poll_failures_total"] >= 3
     f.control(fail_mode="none")
@@ -346,3 +349,18 @@ def test_a_lambda_sidecar_never_sees_a_lower_figure_after_a_failure_at_a_lower_p
     led.record_success(0, mk(3.0), time_scale=1)
     led.record_success(3600, mk(1.0), time_scale=1)  # price fell at an unknown time: charge the higher
     assert led.spent_usd == pytest.approx(3.0)
+
+
+def test_a_lost_ledger_falls_back_on_the_published_budget_json(tmp_path: Path) -> None:
+    clock = Clock()
+    settings = static_settings(tmp_path)
+    first = Poller(settings, None, clock=clock)
+    first.poll_once()
+    clock.t += 3600
+    first.poll_once()
+    published = first.snapshot().document["spent_usd"]
+    settings.state_path.unlink()  # the ledger is lost; budget.json is still there
+    second = Poller(settings, None, clock=clock)
+    clock.t += 60
+    second.poll_once()
+    assert second.snapshot().document["spent_usd"] >= published == pytest.approx(2.0)

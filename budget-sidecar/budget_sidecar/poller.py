@@ -15,6 +15,7 @@ from typing import Any
 
 from budget_sidecar.ledger import Ledger, reading_document
 from budget_sidecar.settings import SidecarSettings
+from x1_common.contracts import read_budget_file
 from x1_common.fsutil import write_json_atomic
 from x1_common.providers import LambdaClient, ProviderError, RunPodClient
 
@@ -46,11 +47,29 @@ class Poller:
         self.clock = clock
         self._lock = threading.Lock()
         self.ledger = Ledger.load(settings.state_path, settings.provider, settings.instance_id)
+        if self.ledger.first_seen is None:
+            self._carry_over_published_spend()
         self.ledger.catch_up(clock(), settings.time_scale)
         self._snapshot = Snapshot(None, True, self.ledger.consecutive_failures, self.ledger.poll_failures_total, None)
         if self.ledger.rate_usd_per_hr is not None:
             # A restart with a known rate can serve (and write) an estimate before the first poll.
             self._publish(self.clock(), source="estimate")
+
+    def _carry_over_published_spend(self) -> None:
+        """No ledger (deleted, unreadable) but a budget.json of this provider: what it published
+        stays spent, so the figure never goes down. The time since it was written is not charged:
+        whether the instance billed meanwhile is unknown."""
+        try:
+            prev = read_budget_file(self.settings.output)
+        except (OSError, ValueError):
+            return
+        if prev.provider not in (None, self.settings.provider) or prev.spent_usd <= 0:
+            return
+        log.warning("no ledger, but %s says $%.4f spent over %.3f h: carrying it over",
+                    self.settings.output, prev.spent_usd, prev.hours_elapsed)
+        led = self.ledger
+        led.spent_usd = led.finished_runs_usd = prev.spent_usd
+        led.hours_elapsed = led.finished_runs_hours = prev.hours_elapsed
 
     def snapshot(self) -> Snapshot:
         with self._lock:
