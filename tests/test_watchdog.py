@@ -228,6 +228,18 @@ def test_final_exit_code_is_never_relaunched_even_by_a_restarted_watchdog(wd: Wo
     assert "final decision" in wd.log()
 
 
+def test_hold_after_final_stays_up_until_stopped_then_exits_with_the_final_code(wd: Workdir):
+    port = free_port()
+    proc = wd.start(["--steps", "0", "--exit-code", "76"], "--hold-after-final", port=port)
+    wait_until(lambda: wd.kinds() == ["start", "exit"], 30, "the budget stop")
+    time.sleep(0.5)
+    assert proc.poll() is None  # compose's unless-stopped would otherwise restart it in a loop
+    assert scrape(port)[("x1_watchdog_trainer_up", ())] == 0
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(30) == 76, wd.log()
+    assert len(wd.starts) == 1
+
+
 def test_reset_state_starts_a_new_run_after_a_final_decision(wd: Workdir):
     assert wd.run(["--steps", "1", "--step-seconds", "0.05"]) == 0
     assert wd.run(["--steps", "1", "--step-seconds", "0.05"], "--reset-state") == 0, wd.log()

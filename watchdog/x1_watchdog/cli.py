@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a new trainer gets to write its first heartbeat; covers torch.compile (default 600)")
     g.add_argument("--term-grace-seconds", type=float, default=60.0,
                    help="SIGTERM to SIGKILL: room for the emergency checkpoint (default 60)")
+    g.add_argument("--hold-after-final", action="store_true",
+                   help="after a final decision, stay up (serving /metrics) until SIGTERM/SIGINT, then exit with "
+                        "the final code; for a restart-always policy such as compose's unless-stopped")
     g.add_argument("--check-seconds", type=float, default=1.0, help="how often the trainer is looked at (default 1)")
 
     g = p.add_argument_group("relaunch policy")
@@ -289,10 +292,21 @@ def main(argv: list[str] | None = None) -> int:
         state, events, metrics, alerter, stop, on_final,
     )
     try:
-        return supervisor.run()
+        code = supervisor.run()
     except StartError as e:
         log.error("%s", e)
         return ExitCode.USAGE
+    if args.hold_after_final and state.final is not None:
+        hold(stop, code)
+    return code
+
+
+def hold(stop: StopRequest, code: int) -> None:
+    """Stays up after a final decision until asked to stop. Under a restart-always policy
+    (compose's `unless-stopped`), a watchdog that exits is started again only to exit again."""
+    log.info("final decision (exit code %d) taken; holding until SIGTERM/SIGINT (--hold-after-final)", code)
+    while not stop.wait(3600):
+        pass
 
 
 if __name__ == "__main__":
