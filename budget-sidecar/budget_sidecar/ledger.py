@@ -120,7 +120,7 @@ class Ledger:
         interval_rate = rate if self.rate_usd_per_hr is None else max(rate, self.rate_usd_per_hr)
         if self.provider == "runpod" and inst is not None:
             if inst.uptime_seconds is not None:
-                self._accrue_runpod(now, inst, rate, time_scale)
+                self._accrue_runpod(now, inst, rate)
             else:
                 # A pod without runtime (starting, stopped, interrupted): its run, if any, is over.
                 self._close_runpod_run()
@@ -140,7 +140,7 @@ class Ledger:
             self.finished_runs_hours += self.run_hours
         self.run_usd = self.run_hours = self.last_uptime_s = 0.0
 
-    def _accrue_runpod(self, now: float, inst: Instance, rate: float, time_scale: float) -> None:
+    def _accrue_runpod(self, now: float, inst: Instance, rate: float) -> None:
         uptime = float(inst.uptime_seconds or 0.0)
         if uptime + 1.0 < self.last_uptime_s:
             self._close_runpod_run()  # resumed: uptime started again from 0

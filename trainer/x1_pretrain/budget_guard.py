@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from x1_common.alerts import AlertSender
 from x1_common.contracts import BudgetFormatError, BudgetReading, ExitCode
 from x1_pretrain.config import BudgetConfig, ConfigError
+from x1_pretrain.plan import usd  # $35 / $26.40, the seed's style
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -88,12 +89,6 @@ def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReadin
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         scale = 1.0
     return reading, float(scale)
-
-
-def usd(x: float) -> str:
-    from x1_pretrain.plan import usd as plan_usd  # $35 / $26.40, the seed's style
-
-    return plan_usd(x)
 
 
 def planned_sentence(rate: float, hours: float, cap: float, max_price: float) -> tuple[str, bool]:
