@@ -94,3 +94,17 @@ def rule_exprs(path: Path) -> Iterator[tuple[str, str]]:
 def recorded_names(path: Path) -> set[str]:
     return {rule["record"] for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
             for rule in group["rules"] if "record" in rule}
+
+
+def local_prometheus_config(config_path: Path, targets: dict[str, str], scrape_interval: str = "1s") -> dict:
+    """monitoring/prometheus/prometheus.yml for a Prometheus started by a test: each job scrapes
+    `targets[job]` (e.g. "127.0.0.1:40123") instead of the compose service name, rule files are
+    absolute paths, and scrapes come every `scrape_interval`."""
+    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = scrape_interval
+    config["rule_files"] = [str(config_path.parent / pattern) for pattern in config.get("rule_files", [])]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(targets) <= set(jobs), f"unknown jobs {set(targets) - set(jobs)}; prometheus.yml has {set(jobs)}"
+    config["scrape_configs"] = [{**jobs[name], "static_configs": [{"targets": [target]}]}
+                                for name, target in targets.items()]
+    return config

@@ -807,3 +807,19 @@ def test_grafana_dashboard_uses_the_provisioned_data_source():
         for target in panel.get("targets", []):
             assert target["datasource"]["uid"] == source["uid"], panel["title"]
 
+
+
+def test_local_prometheus_config_keeps_jobs_and_rules_but_scrapes_local_ports(tmp_path):
+    from promql_names import local_prometheus_config
+
+    config = local_prometheus_config(PROMETHEUS_DIR / "prometheus.yml", {"trainer": "127.0.0.1:40001",
+                                                                          "budget-sidecar": "127.0.0.1:40002"})
+    assert [job["static_configs"][0]["targets"] for job in config["scrape_configs"]] == [
+        ["127.0.0.1:40001"], ["127.0.0.1:40002"]]
+    assert config["rule_files"] == [str(PROMETHEUS_DIR / "rules" / "*.yml")]
+    exe = tool("promtool")
+    if exe is not None:  # and it is still a valid config, rules found from anywhere
+        path = tmp_path / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config))
+        proc = subprocess.run([exe, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
