@@ -388,6 +388,7 @@ def test_watchdog_command_is_accepted_and_terminates_only_when_asked(raw_compose
     assert str(args.heartbeat_file) == "/workspace/logs/heartbeat.json"
     assert str(args.state_file) == "/workspace/logs/watchdog-state.json"
     assert args.terminate_on_finish is (terminate == "1")
+    assert args.hold_after_final  # under `restart: unless-stopped`, exiting after a final stop would loop
 
 
 def test_prepare_command_is_accepted(compose):
