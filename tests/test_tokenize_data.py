@@ -299,3 +299,59 @@ def test_bad_arguments_exit_2_naming_the_flag(tmp_path: Path):
     assert proc.returncode == 2 and "--val-fraction" in proc.stderr
     proc = tokenize(tmp_path, tmp_path / "out", "--tokenizer", "cl100k")
     assert proc.returncode == 2 and "--tokenizer" in proc.stderr
+
+
+def test_a_changed_input_is_tokenized_again(tmp_path: Path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    _good_parquet(src)
+    write_parquet(src / "01-more.parquet", ["Version one of this file."])
+    assert tokenize(src, out, val="0").returncode == 0
+    write_parquet(src / "01-more.parquet", ["Version two, rewritten after the first run."])
+    proc = tokenize(src, out, val="0")
+    assert proc.returncode == 0 and "up to date" not in proc.stdout
+    texts = ["A good document.", "Another good one.", "Version two, rewritten after the first run."]
+    assert_round_trip([encode_document(t) for t in texts], out)
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Pids of the process group that are not zombies (an exited child waits for init to reap it)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc (Linux)")
+def test_sigterm_stops_the_run_and_its_workers_and_keeps_finished_shards(corpus_dir: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "x1_pretrain.tokenize_data", "--input-dir", str(corpus_dir), "--output-dir", str(out),
+         "--val-fraction", "0.02", "--workers", "2", "--shard-mb", "0.02"],
+        cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    records = out / ".tokenize-work" / "shards"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and len(list(records.glob("*.json"))) < 2:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)  # the main process only, as `docker stop` does
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, stderr
+        assert "rerun the same command to resume" in stderr
+        deadline = time.monotonic() + 10
+        while live_processes_in_group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_processes_in_group(proc.pid) == [], "a worker outlived the main process"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert len(list(records.glob("*.json"))) >= 2
+    assert not any((out / name).exists() for name in OUTPUTS)

@@ -57,6 +57,7 @@ from x1_pretrain.tokenizer import EOT_TOKEN, VOCAB_SIZE, encode_document_array, 
 log = logging.getLogger("x1_pretrain.tokenize_data")
 
 FORMATS = {".parquet": "parquet", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".txt": "txt"}
+TOKENIZERS = ("gpt2",)
 WORK_DIR = ".tokenize-work"
 WORK_VERSION = 1  # bump when a shard's on-disk format changes: old work is then discarded
 TOKEN_DTYPE = np.dtype("<u2")  # little-endian uint16 on any host
@@ -68,9 +69,10 @@ MAX_SKIP_EXAMPLES = 20
 class InputError(Exception):
     """A bad input: names the file, where in it, and what is wrong. Exit 2."""
 
-    def __init__(self, path: str, problem: str, where: str | None = None):
-        super().__init__(path, problem, where)  # all three in args, so it pickles across processes
+    def __init__(self, path: str, problem: str, where: str | None = None, skippable: bool = True):
+        super().__init__(path, problem, where, skippable)  # all in args, so it pickles across processes
         self.path, self.problem, self.where = path, problem, where
+        self.skippable = skippable  # whether --skip-bad-records would have gone past it
 
     def __str__(self) -> str:
         return f"{self.path}: {self.where}: {self.problem}" if self.where else f"{self.path}: {self.problem}"
@@ -656,7 +658,7 @@ class WorkDir:
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise InputError(str(self.path), "another tokenize_data run is writing to this output folder") from None
+            raise InputError(str(self.path), "another tokenize_data run is writing to this output folder", skippable=False) from None
         wanted = {"version": WORK_VERSION, **asdict(settings)}
         settings_file = self.path / "settings.json"
         try:
@@ -916,38 +918,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shard-mb must be > 0, got {args.shard_mb}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
-    try:
-        get_encoding(args.tokenizer)
-    except ValueError as e:
-        parser.error(str(e))
+    if args.tokenizer not in TOKENIZERS:  # checked by name: building the BPE here would only delay the workers
+        parser.error(f"--tokenizer {args.tokenizer!r}: only {', '.join(TOKENIZERS)} (GPT-2 BPE) is supported")
     settings = Settings(args.tokenizer, args.seed, args.val_fraction, args.skip_bad_records)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so the worker pool is torn down on `docker stop`
+    signal.signal(signal.SIGTERM, _raise_terminated)  # `docker stop`: tear the worker pool down too
     try:
         return run(args.input_dir, args.output_dir, settings, args.workers, int(args.shard_mb * 1e6))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
-        print(
-            f"error: nothing written to {args.output_dir} (finished shards are kept in "
-            f"{args.output_dir / WORK_DIR} for the rerun); --skip-bad-records skips bad records instead",
-            file=sys.stderr,
-        )
+        hint = "; --skip-bad-records skips bad records instead" if e.skippable and not args.skip_bad_records else ""
+        print(f"error: nothing written to {args.output_dir}{hint}", file=sys.stderr)
         return ExitCode.USAGE
     except KeyboardInterrupt:
-        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        print("interrupted: rerun the same command to resume; finished shards are kept", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated: rerun the same command to resume; finished shards are kept", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so the worker pool is torn down on the way out."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 def run(input_dir: Path, output_dir: Path, settings: Settings, workers: int, shard_bytes: int) -> int:
     started = time.monotonic()
     if not input_dir.is_dir():
-        raise InputError(str(input_dir), "--input-dir is not a folder")
+        raise InputError(str(input_dir), "--input-dir is not a folder", skippable=False)
     sources, ignored = find_inputs(input_dir, exclude=[output_dir])
     if not sources:
-        raise InputError(str(input_dir), f"no input files ({', '.join('*' + e for e in FORMATS)}) in this folder")
+        formats = ", ".join("*" + e for e in FORMATS)
+        raise InputError(str(input_dir), f"no input files ({formats}) in this folder", skippable=False)
     if ignored:
         log.info("ignoring %d file(s) with other extensions under %s", ignored, input_dir)
     if up_to_date(output_dir, settings, sources):
@@ -976,11 +981,15 @@ def run(input_dir: Path, output_dir: Path, settings: Settings, workers: int, sha
     for s in sources:  # an input rewritten while we read it would mix two versions
         st = os.stat(s.path)
         if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
-            raise InputError(s.path, "changed while being tokenized; rerun")
+            raise InputError(s.path, "changed while being tokenized; rerun", skippable=False)
     fallback_key = pick_fallback(settings, shards, done)
     meta = build_meta(settings, input_dir, sources, unreadable, shards, done, fallback_key)
     if meta["train_tokens"] == 0:
-        raise InputError(str(input_dir), "no document left for train.bin (all empty, skipped or in val)")
+        problem = (
+            f"all {meta['documents']} document(s) went to val.bin, none is left for train.bin: lower --val-fraction"
+            if meta["documents"] else "no documents: every text was empty, null or skipped"
+        )
+        raise InputError(str(input_dir), problem, skippable=False)
     t_asm = time.monotonic()
     assemble(output_dir, work, shards, done, meta, fallback_key)
     work.remove()

