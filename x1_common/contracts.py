@@ -227,11 +227,15 @@ M_BUDGET_CAP = "x1_budget_cap_usd"
 M_BUDGET_LAST_UPDATE = "x1_budget_last_update_timestamp_seconds"
 M_BUDGET_POLL_FAILURES = "x1_budget_poll_failures"  # counter: x1_budget_poll_failures_total
 M_BUDGET_STALE = "x1_budget_stale"
+M_BUDGET_ALERT = "x1_budget_alert_usd"  # the alert line (SPEC §6: $30)
 
 # Watchdog, Prometheus (port 9793)
 M_WATCHDOG_RESTARTS = "x1_watchdog_restarts"  # counter with label reason: x1_watchdog_restarts_total
 M_WATCHDOG_TRAINER_UP = "x1_watchdog_trainer_up"
 M_WATCHDOG_DOWNTIME = "x1_watchdog_downtime_seconds"  # counter: x1_watchdog_downtime_seconds_total
+
+# Counters: prometheus_client exports them with a `_total` suffix.
+COUNTER_METRICS = frozenset({M_TRAIN_TOKENS, M_BUDGET_POLL_FAILURES, M_WATCHDOG_RESTARTS, M_WATCHDOG_DOWNTIME})
 
 # MLflow metric keys logged by the trainer (export_run and postmortem read these).
 MLFLOW_TRAIN_METRICS = (

@@ -62,6 +62,7 @@ class BudgetCollector:
         doc = snap.document or {}
         gauges = [
             (contracts.M_BUDGET_CAP, "the hard cap, USD", s.cap_usd),
+            (contracts.M_BUDGET_ALERT, "the alert line, USD (email + Slack once per crossing)", s.alert_usd),
             (contracts.M_BUDGET_SPENT, "spent so far, USD (never decreases)", doc.get("spent_usd")),
             (contracts.M_BUDGET_RATE, "current price, USD per hour", doc.get("rate_usd_per_hr")),
             (contracts.M_BUDGET_PROJECTED, "spent + rate x remaining planned hours, USD", doc.get("projected_total_usd")),

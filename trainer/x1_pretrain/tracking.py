@@ -28,6 +28,8 @@ log = logging.getLogger("x1.tracking")
 # backoff (7 retries by default) while the buffer fills.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+# SPEC §3 keeps the seed's file:///workspace/mlruns working; MLflow 3 calls that store legacy.
+os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 _BATCH = 1000  # MLflow's log_batch limit for metrics
 _PARAM_BATCH = 100

@@ -85,6 +85,20 @@ class StopSignal:
         return int(ExitCode.PREEMPTED) if self.requested else 0
 
 
+class BatchStream:
+    """next() gives (step, micro, x, y) from the data.Prefetcher; close() stops its thread."""
+
+    def __init__(self, prefetcher: Any):
+        self.prefetcher = prefetcher
+        self._it = iter(prefetcher)
+
+    def __next__(self) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        return next(self._it)
+
+    def close(self) -> None:
+        self.prefetcher.close()
+
+
 class Throughput:
     """Tokens/s between log steps, with eval and checkpoint time left out."""
 
@@ -700,8 +714,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
             return sampler.windows(step, data_mod.micro_batch_indices(micro, d.rank, micro_batch, d.world_size))
 
         keys = ((s, m) for s in range(start, cfg.train.total_steps) for m in range(accum))
-        return data_mod.Prefetcher(source, keys, d.device, depth=cfg.data.prefetch,
-                                   pin_memory=cfg.data.pin_memory and d.device.type == "cuda")
+        return BatchStream(data_mod.Prefetcher(source, keys, d.device, depth=cfg.data.prefetch,
+                                               pin_memory=cfg.data.pin_memory and d.device.type == "cuda"))
 
     gpu_key = info.get("gpu_key", "cpu")
     run = Run(

@@ -1,0 +1,151 @@
+"""Throughput of the project's own training step and loop on a GPU (issue: GPU throughput).
+
+    python bench/train_throughput.py --data-dir DATA --config configs/x1-50m-a100.yaml \\
+        [--set train.loss_impl=torch ...] [--sdpa cudnn] [--steps 10] [--loop-steps 30] --json out.jsonl
+
+Builds the run exactly as `python -m x1_pretrain.train` does (`train.setup`: data, model, compile,
+optimizer, MLflow, Prometheus, heartbeat, budget guard), then measures
+
+  bare  — the step the loop runs: `train.accumulate` over the micro-batches + clip + AdamW step,
+          timed over --steps optimizer steps with one sync at the end;
+  loop  — `train.train_loop` itself for --loop-steps steps, logging every 10 steps to MLflow,
+          Prometheus and the heartbeat, with the budget guard on; its own logged tokens/s.
+
+Prints tokens/s, TFLOP/s, MFU against the datasheet and the measured matmul peak, peak memory and
+compile seconds as one JSON line. Run one variant per process (compile caches and memory start clean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "trainer")]
+
+
+def matmul_peak_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 / (start.elapsed_time(end) / 1000 / 10) / 1e12
+
+
+def set_sdpa(backend: str | None) -> None:
+    """Global SDPA backend switches (the loop's code is untouched)."""
+    if backend is None:
+        return
+    b = torch.backends.cuda
+    b.enable_flash_sdp(backend == "flash")
+    b.enable_cudnn_sdp(backend == "cudnn")
+    b.enable_mem_efficient_sdp(backend == "efficient")
+    b.enable_math_sdp(backend == "math")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(REPO / "configs/x1-50m-a100.yaml"))
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--sdpa", choices=["flash", "cudnn", "efficient", "math"])
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps timed for the bare step")
+    p.add_argument("--loop-steps", type=int, default=30, help="optimizer steps of the full loop (0 skips it)")
+    p.add_argument("--peak-tflops", type=float, help="measured matmul peak (measured here when omitted)")
+    p.add_argument("--name", default="ours")
+    p.add_argument("--json", help="append the result as a JSON line to this file")
+    args = p.parse_args()
+
+    from x1_common.fsutil import write_json_atomic
+    from x1_pretrain import train as T
+
+    peak = args.peak_tflops or matmul_peak_tflops()
+    set_sdpa(args.sdpa)
+    work = Path(tempfile.mkdtemp(prefix="x1-bench-"))
+    budget = work / "budget.json"
+    write_json_atomic(budget, {"spent_usd": 1.0, "rate_usd_per_hr": 3.5, "hours_elapsed": 0.3,
+                               "projected_total_usd": 20.0, "last_update_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    total = args.steps + args.loop_steps + 2
+    argv = ["--config", args.config, "--data-dir", args.data_dir, "--ckpt-dir", str(work / "ckpt"),
+            "--mlflow-uri", f"file://{work}/mlruns", "--total-steps", str(total), "--log-every", "10",
+            "--eval-every", "1000000", "--ckpt-every", "1000000", "--metrics-port", "0",
+            "--heartbeat-file", str(work / "heartbeat.json"), "--budget-cap-usd", "35",
+            "--budget-curr-cost-uri", str(budget), "--max-price-usd-per-hr", "10"]
+    for s in args.set:
+        argv += ["--set", s]
+    targs = T.build_parser().parse_args(argv)
+    cfg = T.config_from_args(targs)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    run = T.setup(targs, cfg, T.StopSignal())
+    compile_s = time.perf_counter() - t0
+    assert not isinstance(run, int), f"setup refused: exit {run}"
+
+    # bare: the loop's step, nothing else
+    def one_step(step: int) -> None:
+        loss, _ = T.accumulate(run, step)
+        torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.optim.grad_clip)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+
+    one_step(0)  # first real step: finishes autotuning / graph capture
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(1, args.steps + 1):
+        one_step(i)
+    torch.cuda.synchronize()
+    bare_tps = args.steps * cfg.train.tokens_per_step / (time.perf_counter() - t)
+
+    loop_tps = None
+    if args.loop_steps:
+        run.batches.close()
+        run.state.step = args.steps + 1
+        run.batches = run.make_batches(run.state.step, run.micro_batch, run.grad_accum)
+        run.throughput = T.Throughput()
+        T.train_loop(run)
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"file://{work}/mlruns")
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        rid = client.search_runs([exp.experiment_id])[0].info.run_id
+        hist = sorted(client.get_metric_history(rid, "tokens_per_sec"), key=lambda m: m.step)
+        intervals = [m.value for m in hist[1:]] or [m.value for m in hist]  # the first interval holds warm-up
+        loop_tps = statistics.median(intervals)
+    run.batches.close()
+
+    fpt = run.flops_per_token
+    result = {
+        "name": args.name, "sets": args.set, "sdpa": args.sdpa or "default", "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "micro_batch": run.micro_batch, "grad_accum": run.grad_accum,
+        "loss_impl": "fused" if run.raw_model.fused_loss else "torch", "padded_vocab": cfg.model.padded_vocab_size,
+        "bare_tokens_per_sec": round(bare_tps), "bare_tflops": round(bare_tps * fpt / 1e12, 1),
+        "bare_mfu_measured": round(bare_tps * fpt / 1e12 / peak, 4), "bare_mfu_989": round(bare_tps * fpt / 1e12 / 989, 4),
+        "loop_tokens_per_sec": round(loop_tps) if loop_tps else None,
+        "loop_overhead": round(1 - loop_tps / bare_tps, 4) if loop_tps else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "setup_and_compile_s": round(compile_s, 1),
+        "matmul_peak_tflops": round(peak, 1), "flops_per_token": fpt,
+    }
+    print(json.dumps(result), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
