@@ -4,6 +4,7 @@ and the folder appears complete or not at all."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,49 @@ def test_existing_output_is_kept_unless_forced(tiny_export, tmp_path, capsys):
     assert hf_export.main(["--checkpoint", str(ckpt / "model.safetensors"), "--output", str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf"]  # no temp or old folder left
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """bench/quant_inference.py as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quant_inference", Path(__file__).parents[1] / "bench" / "quant_inference.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "quant_inference", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_int4_embedding_rows_equal_the_int4_heads_dequantized_rows(bench):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(40, 256).to(torch.bfloat16)
+    head = torch.nn.Linear(256, 40, bias=False).to(torch.bfloat16)
+    head.weight = emb.weight
+    idx = torch.tensor([[0, 39, 7], [3, 3, 12]])
+    rows = bench.Int4Embedding(emb, 128)(idx)
+    reference = bench.Int4WeightOnlyLinear(head, 128).dequantized()[idx]
+    torch.testing.assert_close(rows.float(), reference, rtol=0, atol=1e-2)
+    assert (rows.float() - emb.weight.float()[idx]).abs().max() < 0.1 * emb.weight.float().abs().max()
+
+
+def test_quantized_inference_bench_runs_end_to_end_on_the_cpu(bench, tmp_path, capsys):
+    """bench/quant_inference.py --quick on val.bin windows: every mode measured, the quantized ones near bf16."""
+    val = tmp_path / "val.bin"
+    torch.randint(0, 50257, (4096,), generator=torch.Generator().manual_seed(0)).numpy().astype("uint16").tofile(val)
+    out = tmp_path / "results.json"
+    code = bench.main(["--device", "cpu", "--quick", "--val-bin", str(val), "--batch-sizes", "1,2", "--new-tokens", "4",
+                       "--repeats", "1", "--eval-windows", "2", "--price-usd-per-hr", "2.0", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    lines = printed.rstrip().splitlines()
+    head = max(i for i, line in enumerate(lines) if line.startswith("| mode |"))
+    assert len(lines) - head == 2 + len(bench.MODES) and all(line.startswith("|") for line in lines[head:])
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"bf16", "int8", "int8-dq", "int4"} and not any(r["skipped"] for r in results.values())
+    # The quick model is mostly vocabulary, and int4 keeps a second copy of it for the lookup: both ~half.
+    assert max(results[m]["weights_mib"] for m in ("int8", "int8-dq", "int4")) < 0.6 * results["bf16"]["weights_mib"]
+    for mode in ("int8", "int8-dq", "int4"):
+        assert abs(results[mode]["loss"] - results["bf16"]["loss"]) < 0.05
+        assert all(tps > 0 for tps in results[mode]["tokens_per_sec"].values())
+    assert "$2.00/h" in printed

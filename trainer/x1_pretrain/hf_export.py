@@ -89,7 +89,8 @@ def llama_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
     }
 
 
-def generation_config(cfg: ModelConfig) -> dict[str, Any]:
+def generation_config() -> dict[str, Any]:
+    # No max_length: transformers warns on every call that passes max_new_tokens when the file sets one.
     # pad = eos (GPT-2's habit): batched generate needs a pad id, and with pad == eos transformers never
     # mistakes the leading <|endoftext|> of a prompt for padding when it infers an attention mask.
     return {
@@ -98,7 +99,6 @@ def generation_config(cfg: ModelConfig) -> dict[str, Any]:
         "pad_token_id": EOT_TOKEN,
         "do_sample": True,
         **SAMPLING_DEFAULTS,
-        "max_length": cfg.seq_len,
     }
 
 
@@ -213,7 +213,7 @@ def write_export(output: Path, state: dict[str, torch.Tensor], cfg: ModelConfig,
     metadata = {"format": "pt", "x1.export": json.dumps(provenance, sort_keys=True)}
     save_file(hf_state_dict(state, cfg, dtype), str(output / "model.safetensors"), metadata=metadata)
     _write_json(output / "config.json", llama_config(cfg, dtype))
-    _write_json(output / "generation_config.json", generation_config(cfg))
+    _write_json(output / "generation_config.json", generation_config())
     if with_tokenizer:
         from x1_pretrain.tokenizer import gpt2_vocab_files
 
