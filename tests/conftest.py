@@ -57,3 +57,34 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Pat
     )
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+# ---- the trainer on the tiny config ---------------------------------------------------------
+
+REFERENCE_STEPS = 40
+
+
+def train_args(data: Path, ckpt: Path, mlflow_uri: str, *extra: str, total: int = REFERENCE_STEPS) -> list[str]:
+    """The seed's command line for the tiny CPU config, writing under `ckpt`."""
+    return [
+        "--config", str(TINY_CONFIG), "--data-dir", str(data), "--ckpt-dir", str(ckpt),
+        "--mlflow-uri", mlflow_uri, "--total-steps", str(total), "--ckpt-every", "10", "--eval-every", "20",
+        "--log-every", "5", "--metrics-port", "0", "--heartbeat-file", str(ckpt / "heartbeat.json"), *extra,
+    ]
+
+
+def start_trainer(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    return subprocess.Popen([sys.executable, "-m", "x1_pretrain.train", *args], stdout=log, stderr=subprocess.STDOUT,
+                            env=env or cli_env(), cwd=REPO, start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Path:
+    """An uninterrupted tiny run of REFERENCE_STEPS steps; returns its checkpoint dir."""
+    root = tmp_path_factory.mktemp("reference")
+    ckpt = root / "ckpt"
+    proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{root}/mlruns"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (ckpt / "final.safetensors").is_file()
+    return ckpt
