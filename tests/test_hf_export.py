@@ -116,7 +116,10 @@ def test_export_config_names_the_models_shapes_and_drops_padded_rows(tiny_export
     config = json.loads((export_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["vocab_size"] == 50257 and cfg.padded_vocab_size == 50304
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (cfg.n_head, cfg.n_kv_head)
+    assert cfg.n_kv_head < cfg.n_head  # the tiny config exercises GQA
+    assert (config["hidden_size"], config["intermediate_size"], config["head_dim"]) == (cfg.d_model, cfg.d_ff, cfg.head_dim)
+    assert config["num_hidden_layers"] == cfg.n_layer
     assert config["rope_theta"] == 500.0 and config["rms_norm_eps"] == 1e-6
     assert config["max_position_embeddings"] == cfg.seq_len
     assert config["tie_word_embeddings"] is True

@@ -84,9 +84,10 @@ def test_generation_stops_right_after_the_stop_token(model):
 
 
 def test_a_request_past_the_context_is_refused_with_what_fits(model):
-    with pytest.raises(ValueError, match=r"at most 59 new tokens fit"):
-        generate(model, PROMPT, model.cfg.seq_len, temperature=0)
-    assert len(generate(model, PROMPT, model.cfg.seq_len - len(PROMPT), temperature=0)) == 59
+    fits = model.cfg.seq_len - len(PROMPT)
+    with pytest.raises(ValueError, match=rf"at most {fits} new tokens fit"):
+        generate(model, PROMPT, fits + 1, temperature=0)
+    assert len(generate(model, PROMPT, fits, temperature=0)) == fits
 
 
 def test_cli_conditions_the_prompt_on_eot_and_prints_the_continuation(checkpoint, model, monkeypatch, capsys):
@@ -115,11 +116,14 @@ def test_cli_with_and_without_cache_prints_the_same_greedy_text(checkpoint, caps
     assert outs[0] == outs[1] and outs[0].strip()
 
 
-def test_cli_refuses_a_request_longer_than_the_context(checkpoint, capsys):
-    code = sample.main(["--checkpoint", str(checkpoint), "--prompt", "Once upon a time", "--max-new-tokens", "100"])
+def test_cli_refuses_a_request_longer_than_the_context(checkpoint, model, capsys):
+    seq_len = model.cfg.seq_len
+    code = sample.main(["--checkpoint", str(checkpoint), "--prompt", "Once upon a time", "--max-new-tokens", str(seq_len)])
     assert code == 2
     err = capsys.readouterr().err
-    assert "exceeds the model's context of 64 tokens" in err and "at most 59 new tokens fit" in err
+    assert f"exceeds the model's context of {seq_len} tokens" in err
+    assert f"at most {seq_len - len(PROMPT)} new tokens fit" in err
+    assert capsys.readouterr().out == ""
 
 
 def test_cli_without_weights_exits_2_naming_the_path(tmp_path):

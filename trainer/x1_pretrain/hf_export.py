@@ -236,6 +236,8 @@ def export(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *
     output = Path(output)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"--output {output}: exists and is not a folder")
     if output.exists() and not force:
         raise ExportError(f"--output {output}: already exists (pass --force to replace it)")
     state, cfg, metadata = load_weights(checkpoint)
