@@ -1,29 +1,38 @@
 """Tokenizer pipeline vs the raw encoder, on the same texts in the same run (`make bench-tokenize`).
 
-    .venv/bin/python bench/tokenize_throughput.py [--corpus-mb 20] [--workers 1 2] [--keep DIR]
+    .venv/bin/python bench/tokenize_throughput.py [--corpus-mb 20] [--workers 1 2] [--trials 3] [--keep DIR]
 
-1. Builds a real-English corpus of 2 x --corpus-mb (`x1_pretrain.corpus installed-docstrings`:
-   the docstrings of the stdlib and site-packages, no download, nothing repeated); the first half
-   of its files is the measured corpus, the whole is the "2x larger" one.
-2. Raw encoder: GPT-2 `encode_ordinary_batch(texts, num_threads=1)` on the measured corpus's
-   texts, held in memory (one thread = one worker), and a plain `encode_ordinary` loop.
-3. Pipeline: `python -m x1_pretrain.tokenize_data` end to end as a fresh process (interpreter
-   start, worker start-up, parquet reading, hashing, writing and assembly all included), for
-   each --workers; tokens/s per worker = tokens / wall / workers. Peak RSS is that of the
-   largest process (main or worker), for the measured and the 2x corpus.
+1. Builds a real-English corpus of 2 x --corpus-mb (`python -m x1_pretrain.corpus
+   installed-docstrings`: docstrings of the stdlib and site-packages; no download, nothing
+   repeated). Its first half of files is the measured corpus ("1x"), the whole the "2x" one.
+2. Raw encoder, on the texts held in memory (the 1x texts, and the texts the 2x corpus adds),
+   three ways: GPT-2 `encode_ordinary_batch(texts, num_threads=1)` (one thread = one worker), a
+   plain `encode_ordinary` loop, and `encode_document_array` (the pipeline's own call: the same
+   ids as a uint32 buffer, no Python list).
+3. Pipeline: `python -m x1_pretrain.tokenize_data` as a fresh process, end to end (interpreter,
+   worker start-up, the tokenizer build, parquet reading, hashing, writing, assembly), on the 1x
+   and the 2x corpus, for each --workers.
 
-Prints a markdown table for docs/PERFORMANCE.md and checks the two bars: the pipeline keeps
->= 0.8 of the raw per-worker rate; peak RSS grows < 20% on the 2x corpus. Exit 1 if one fails.
-Best of --trials runs for every timing (the machine may be shared).
+Rates are tokens per CPU-second (of all the pipeline's processes; of this process for the raw
+encoder), so that other users of a shared machine do not count: one worker is one core. The
+"marginal" rate divides the extra tokens of the 2x run by its extra CPU time: fixed start-up
+costs cancel, leaving the rate a long run (the seed's 10B tokens) sustains. Peak RSS is that of
+the largest process (main or worker), median of --trials runs. Best of --trials for every timing.
+
+Bars, checked at the end (exit 1 if one fails): with 1 worker the pipeline keeps >= 0.8 of the
+raw rate end to end on the 1x corpus; the marginal rate is >= 0.8 of raw at every worker count;
+peak RSS grows < 20% from the 1x to the 2x corpus. "Raw" is the fastest of the three ways on
+the same texts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,28 +66,32 @@ def build_corpus(out: Path, mb: float) -> None:
     print(f"# {proc.stdout.strip().splitlines()[0]} [{time.monotonic() - t:.0f} s]", file=sys.stderr)
 
 
-def text_mb(files: list[Path]) -> tuple[list[str], float]:
+def read_texts(files: list[Path]) -> list[str]:
     import pyarrow.parquet as pq
 
-    texts = [t for f in files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist() if t]
-    return texts, sum(len(t.encode()) for t in texts) / 1e6
+    return [t for f in files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist() if t]
 
 
 def raw_rates(texts: list[str], trials: int) -> dict[str, float]:
-    from x1_pretrain.tokenizer import gpt2_encoding
+    """Tokens per CPU-second of the raw encoder on texts in memory, three ways, best of `trials`."""
+    from x1_pretrain.tokenizer import encode_document_array, gpt2_encoding
 
     enc = gpt2_encoding()
-    best_batch = best_loop = float("inf")
+    ways = {
+        "batch": lambda: sum(map(len, enc.encode_ordinary_batch(texts, num_threads=1))),
+        "loop": lambda: sum(len(enc.encode_ordinary(t)) for t in texts),
+        "array": lambda: sum(len(encode_document_array(t)) for t in texts),  # the call the pipeline makes
+    }
+    best = dict.fromkeys(ways, float("inf"))
     tokens = 0
     for _ in range(trials):
-        t = time.process_time()  # CPU seconds: other users of a shared machine do not count
-        tokens = sum(map(len, enc.encode_ordinary_batch(texts, num_threads=1)))
-        best_batch = min(best_batch, time.process_time() - t)
-        t = time.process_time()
-        for text in texts:
-            enc.encode_ordinary(text)
-        best_loop = min(best_loop, time.process_time() - t)
-    return {"tokens": tokens, "batch": tokens / best_batch, "loop": tokens / best_loop}
+        for name, encode in ways.items():
+            t = time.process_time()
+            tokens = encode()
+            best[name] = min(best[name], time.process_time() - t)
+    rates = {name: tokens / seconds for name, seconds in best.items()}
+    # Ratios divide by the fastest way: the strictest comparison.
+    return {"tokens": tokens, **rates, "best": max(rates.values())}
 
 
 def run_pipeline(corpus: Path, out: Path, workers: int) -> dict:
@@ -90,18 +103,19 @@ def run_pipeline(corpus: Path, out: Path, workers: int) -> dict:
     if r["rc"] != 0:
         sys.exit(f"tokenize_data failed ({r['rc']}):\n{r['stderr']}")
     meta = json.loads((out / "meta.json").read_text())
-    phase = re.search(r"\(tokenize ([\d.]+) s", r["stderr"])
-    r["tokens"] = meta["train_tokens"] + meta["val_tokens"]
-    r["tokenize_s"] = float(phase[1]) if phase else float("nan")
+    r["tokens"] = meta["train_tokens"] + meta["val_tokens"] - meta["documents"]  # the EOTs are not encoder output
     return r
 
 
-def best_of(trials: int, fn, *args) -> dict:
-    runs = [fn(*args) for _ in range(trials)]
-    best = {**min(runs, key=lambda r: r["cpu_s"])}
-    best["wall_s"] = min(r["wall_s"] for r in runs)
-    best["maxrss_mb"] = max(r["maxrss_mb"] for r in runs)
-    return best
+def best_of(trials: int, corpus: Path, out: Path, workers: int) -> dict:
+    runs = [run_pipeline(corpus, out, workers) for _ in range(trials)]
+    return {
+        "tokens": runs[0]["tokens"],
+        "cpu_s": min(r["cpu_s"] for r in runs),
+        "wall_s": min(r["wall_s"] for r in runs),
+        # Median: one run in several can peak ~15% higher (allocator timing), whatever the corpus size.
+        "maxrss_mb": statistics.median(r["maxrss_mb"] for r in runs),
+    }
 
 
 def machine() -> str:
@@ -113,83 +127,88 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    import os
-
     import tiktoken
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{model}, {cpus} CPUs, Python {platform.python_version()}, tiktoken {tiktoken.__version__}"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus-mb", type=float, default=20.0, help="MB of text in the measured corpus (default 20)")
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to measure (default 1 2)")
-    p.add_argument("--trials", type=int, default=3, help="runs per timing; the best counts (default 3)")
-    p.add_argument("--keep", type=Path, help="build (or reuse) the corpora in this folder and keep them")
-    args = p.parse_args()
-
-    work = args.keep or Path(tempfile.mkdtemp(prefix="x1-bench-tokenize-"))
-    try:
-        big = work / "corpus-2x"
-        stamp = big / ".built-mb"
-        if not (stamp.exists() and stamp.read_text() == str(2 * args.corpus_mb)):
-            shutil.rmtree(big, ignore_errors=True)
-            build_corpus(big, 2 * args.corpus_mb)
-            stamp.write_text(str(2 * args.corpus_mb))
-        files = sorted(big.glob("*.parquet"))
-        small = work / "corpus-1x"
-        shutil.rmtree(small, ignore_errors=True)
-        small.mkdir()
-        for f in files[: len(files) // 2]:
-            (small / f.name).symlink_to(f)
-        texts, mb = text_mb(sorted(small.glob("*.parquet")))
-        _, big_mb = text_mb(files)
-        print(f"# measured corpus {mb:.1f} MB of text ({len(texts)} documents), 2x corpus {big_mb:.1f} MB", file=sys.stderr)
-
-        raw = raw_rates(texts, args.trials)
-        rows = []
-        for w in args.workers:
-            r1 = best_of(args.trials, run_pipeline, small, work / "out", w)
-            r2 = best_of(args.trials, run_pipeline, big, work / "out", w)
-            rows.append((w, r1, r2))
-        raw_after = raw_rates(texts, 1)  # the machine may have got busier or quieter meanwhile
-        for k in ("batch", "loop"):
-            raw[k] = max(raw[k], raw_after[k])
-        del texts
-    finally:
-        if args.keep is None:
-            shutil.rmtree(work, ignore_errors=True)
-    return report(args, raw, rows, mb, big_mb)
+def measure(args: argparse.Namespace, work: Path) -> dict:
+    big = work / "corpus-2x"
+    stamp = big / ".built-mb"
+    if not (stamp.exists() and stamp.read_text() == str(2 * args.corpus_mb)):
+        shutil.rmtree(big, ignore_errors=True)
+        build_corpus(big, 2 * args.corpus_mb)
+        stamp.write_text(str(2 * args.corpus_mb))
+    files = sorted(big.glob("*.parquet"))
+    half = len(files) // 2
+    small = work / "corpus-1x"
+    shutil.rmtree(small, ignore_errors=True)
+    small.mkdir()
+    for f in files[:half]:
+        (small / f.name).symlink_to(f)
+    texts, extra = read_texts(files[:half]), read_texts(files[half:])
+    result = {
+        "mb": sum(len(t.encode()) for t in texts) / 1e6,
+        "big_mb": sum(len(t.encode()) for t in texts + extra) / 1e6,
+        "raw": raw_rates(texts, max(5, args.trials)),  # cheap, and the noisiest number here
+        "raw_extra": raw_rates(extra, max(5, args.trials)),
+        "rows": [],
+    }
+    del texts, extra
+    print(f"# 1x corpus {result['mb']:.1f} MB of text, 2x corpus {result['big_mb']:.1f} MB", file=sys.stderr)
+    for w in args.workers:
+        result["rows"].append((w, best_of(args.trials, small, work / "out", w), best_of(args.trials, big, work / "out", w)))
+    return result
 
 
-def report(args: argparse.Namespace, raw: dict, rows: list, mb: float, big_mb: float) -> int:
+def report(r: dict) -> bool:
+    raw, raw_extra = r["raw"], r["raw_extra"]
     ok = True
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    print(f"Date: {date}. Machine: {machine()}.")
-    print(f"Command: `.venv/bin/python bench/tokenize_throughput.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
-    print(f"Corpus: installed-docstrings, {mb:.1f} MB of text ({raw['tokens']:,} tokens); the 2x corpus {big_mb:.1f} MB.")
+    print(f"Date: {datetime.now(timezone.utc):%Y-%m-%d}. Machine: {machine()}.")
+    print(f"Command: `.venv/bin/python bench/tokenize_throughput.py{''.join(' ' + a for a in sys.argv[1:])}`")
+    print(f"Corpus: installed-docstrings, 1x = {r['mb']:.1f} MB of text ({raw['tokens']:,} tokens), "
+          f"2x = {r['big_mb']:.1f} MB.")
+    for label, rr in (("the 1x texts", raw), ("the texts the 2x corpus adds", raw_extra)):
+        print(f"Raw encoder, one thread, tokens per CPU-second on {label}: `encode_ordinary_batch(num_threads=1)` "
+              f"{rr['batch'] / 1e6:.2f}M, `encode_ordinary` loop {rr['loop'] / 1e6:.2f}M, `encode_document_array` "
+              f"{rr['array'] / 1e6:.2f}M.")
+    print('"x raw" divides by the fastest of the three.')
     print()
-    print(f"Raw encoder, one thread, texts in memory, per CPU-second: `encode_ordinary_batch(num_threads=1)` "
-          f"{raw['batch'] / 1e6:.2f}M tokens/s; plain `encode_ordinary` loop {raw['loop'] / 1e6:.2f}M tokens/s.")
-    print()
-    print("| workers | wall s, 1x / 2x | CPU s (all processes), 1x / 2x | end to end, 1x: tokens per CPU-s (x raw) | "
-          "marginal 1x→2x: tokens per CPU-s (x raw) | fixed CPU s | peak RSS MB, 1x / 2x (growth) |")
+    print("| workers | wall s, 1x / 2x | CPU s, all processes, 1x / 2x | end to end on 1x: tokens per CPU-s "
+          "(x raw) | marginal 1x→2x: tokens per CPU-s (x raw) | fixed CPU s | peak RSS MB (largest process), 1x / 2x |")
     print("|---|---|---|---|---|---|---|")
-    for w, r1, r2 in rows:
+    for w, r1, r2 in r["rows"]:
         e2e = r1["tokens"] / r1["cpu_s"]
-        # The 2x run minus the 1x run: interpreter and worker start-up, the tokenizer build, cancel out.
         marginal = (r2["tokens"] - r1["tokens"]) / max(1e-9, r2["cpu_s"] - r1["cpu_s"])
         fixed = r1["cpu_s"] - r1["tokens"] / marginal
         growth = r2["maxrss_mb"] / r1["maxrss_mb"] - 1
-        ok &= marginal >= 0.8 * raw["batch"] and growth < 0.20
+        ok &= marginal >= 0.8 * raw_extra["best"] and growth < 0.20 and (w != 1 or e2e >= 0.8 * raw["best"])
         print(f"| {w} | {r1['wall_s']:.2f} / {r2['wall_s']:.2f} | {r1['cpu_s']:.2f} / {r2['cpu_s']:.2f} | "
-              f"{e2e / 1e6:.2f}M ({e2e / raw['batch']:.2f}) | {marginal / 1e6:.2f}M ({marginal / raw['batch']:.2f}) | "
+              f"{e2e / 1e6:.2f}M ({e2e / raw['best']:.2f}) | {marginal / 1e6:.2f}M ({marginal / raw_extra['best']:.2f}) | "
               f"{fixed:.2f} | {r1['maxrss_mb']:.0f} / {r2['maxrss_mb']:.0f} ({growth:+.0%}) |")
     print()
-    print("Bars (marginal tokens per CPU-second >= 0.8 x raw batch; peak RSS growth on the 2x corpus < 20%): "
-          f"{'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
+    print("Bars (1 worker end to end >= 0.8 x raw; marginal >= 0.8 x raw at every worker count; peak RSS growth "
+          f"on the 2x corpus < 20%): {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description="Tokenizer pipeline vs raw tiktoken on the same texts: tokens per CPU-second and peak RSS."
+    )
+    p.add_argument("--corpus-mb", type=float, default=20.0, help="MB of text in the 1x corpus (default 20)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to measure (default 1 2)")
+    p.add_argument("--trials", type=int, default=3, help="runs per timing; the best counts (default 3)")
+    p.add_argument("--keep", type=Path, help="build the corpora in this folder (reused when there) and keep them")
+    args = p.parse_args()
+    work = args.keep or Path(tempfile.mkdtemp(prefix="x1-bench-tokenize-"))
+    try:
+        result = measure(args, work)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0 if report(result) else 1
 
 
 if __name__ == "__main__":
