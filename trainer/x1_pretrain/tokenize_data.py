@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -385,6 +386,7 @@ class TokenFile:
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
+        """Drops the temp file; nothing to do once committed."""
         self.f.close()
         self.tmp.unlink(missing_ok=True)
 
@@ -422,28 +424,29 @@ def tokenize_shard(shard: Shard, settings: Settings, shard_dir: Path, progress: 
     result = ShardResult(shard.key, src.rel)
     skipped: Counter[str] = Counter()
     train_path, val_path, record_path = shard_paths(shard_dir, shard.key)
-    train, val = TokenFile(train_path), TokenFile(val_path)
     threshold = settings.val_threshold()
-    docs = tokens = 0
+    pending = [0, 0]  # documents and tokens not yet reported
 
     def report(nbytes: int) -> None:
-        nonlocal docs, tokens
-        progress(docs, tokens, nbytes)
-        docs = tokens = 0
+        progress(pending[0], pending[1], nbytes)
+        pending[0] = pending[1] = 0
 
-    try:
-        raw_file = None
+    with ExitStack() as stack:
+        train, val = TokenFile(train_path), TokenFile(val_path)
+        stack.callback(val.abort)  # no-ops once committed
+        stack.callback(train.abort)
+        raw: HashingReader | None = None
         if src.kind == "parquet":
             if shard.part == 0:
                 with open(src.path, "rb") as f:  # pyarrow reads by random access: hash in one plain pass
                     result.sha256 = HashingReader(f).finish()
             records: Iterator[tuple[int, Any, str | None]] = read_parquet(shard, settings.skip_bad_records, report)
         else:
-            raw_file = HashingReader(open(src.path, "rb"))
-            records = (read_jsonl if src.kind.startswith("jsonl") else read_txt)(raw_file, src)
+            raw = HashingReader(stack.enter_context(open(src.path, "rb")))
+            records = (read_jsonl if src.kind.startswith("jsonl") else read_txt)(raw, src)
+        reported = 0  # raw bytes read and reported
         try:
-            last_report = raw_file.count if raw_file else 0
-            for index, text, _where in _checked(records, src, settings.skip_bad_records, skipped, result.skip_examples):
+            for index, text, _ in _checked(records, src, settings.skip_bad_records, skipped, result.skip_examples):
                 if isinstance(text, BadRecord) or not text:
                     continue
                 ids = encode_document_array(text)
@@ -456,29 +459,24 @@ def tokenize_shard(shard: Shard, settings: Settings, shard_dir: Path, progress: 
                     result.train_documents += 1
                     if result.fallback is None or score < result.fallback[0]:
                         result.fallback = (score, index, offset, len(ids) + 1)
-                docs += 1
-                tokens += len(ids) + 1
-                if raw_file and raw_file.count - last_report >= READ_CHUNK:
-                    report(raw_file.count - last_report)
-                    last_report = raw_file.count
+                pending[0] += 1
+                pending[1] += len(ids) + 1
+                if raw and raw.count - reported >= READ_CHUNK:
+                    report(raw.count - reported)
+                    reported = raw.count
         except InputError as e:
             if not settings.skip_bad_records:
                 raise
             # A stream that breaks mid-way (truncated zstd): keep what was read, count the rest once.
             skipped["unreadable rest of file"] += 1
             _example(result.skip_examples, src.rel, e.where, e.problem)
-        if raw_file:
-            result.sha256 = raw_file.finish()
-            report(raw_file.count - last_report)
-            raw_file.f.close()
+        if raw:
+            result.sha256 = raw.finish()
+            report(raw.count - reported)
         else:
             report(0)
         train.commit()
         val.commit()
-    except BaseException:
-        train.abort()
-        val.abort()
-        raise
     result.train_tokens, result.val_tokens = train.tokens, val.tokens
     result.skipped = dict(sorted(skipped.items()))
     result.seconds = time.monotonic() - started
@@ -495,7 +493,8 @@ def _checked(records, src: SourceFile, skip_bad: bool, skipped: Counter[str], ex
             if text.reason != "blank line" and not skip_bad:
                 raise InputError(src.path, text.detail, where)
             skipped[text.reason] += 1
-            _example(examples, src.rel, where, text.detail)
+            if text.reason != "blank line":
+                _example(examples, src.rel, where, text.detail)
         elif not text:
             skipped["empty text"] += 1
         yield index, text, where
