@@ -47,6 +47,24 @@ def matmul_peak_tflops() -> float:
     return 2 * n**3 / (start.elapsed_time(end) / 1000 / 10) / 1e12
 
 
+# The levers of docs/PERFORMANCE.md, one per process. Each is config overrides (and/or a global
+# SDPA backend switch) on top of configs/x1-50m-a100.yaml; the loop's code is the same in all.
+VARIANTS: dict[str, dict] = {
+    "plain": {"sets": ["model.pad_vocab_to_multiple_of=1", "train.loss_impl=torch"]},
+    "padded": {"sets": ["train.loss_impl=torch"]},
+    "fused-ce": {"sets": []},  # the config as shipped: padded vocab + fused cross-entropy
+    "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},
+    "sdpa-flash": {"sets": [], "sdpa": "flash"},
+    "sdpa-efficient": {"sets": [], "sdpa": "efficient"},
+    "cudagraphs": {"sets": ["train.compile_mode=reduce-overhead"]},
+    "max-autotune": {"sets": ["train.compile_mode=max-autotune-no-cudagraphs"]},
+    "no-prefetch": {"sets": ["data.prefetch=0"]},
+    "adamw-foreach": {"sets": ["optim.fused=off"]},
+    "micro-64": {"sets": ["train.micro_batch_size=64"]},
+    "eager": {"sets": ["train.compile=false"]},
+}
+
+
 def set_sdpa(backend: str | None) -> None:
     """Global SDPA backend switches (the loop's code is untouched)."""
     if backend is None:
@@ -62,25 +80,34 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(REPO / "configs/x1-50m-a100.yaml"))
     p.add_argument("--data-dir", required=True)
+    p.add_argument("--variant", choices=sorted(VARIANTS), help="a named lever (overrides and SDPA backend)")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--sdpa", choices=["flash", "cudnn", "efficient", "math"])
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one bare step")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps timed for the bare step")
     p.add_argument("--loop-steps", type=int, default=30, help="optimizer steps of the full loop (0 skips it)")
     p.add_argument("--peak-tflops", type=float, help="measured matmul peak (measured here when omitted)")
     p.add_argument("--name", default="ours")
     p.add_argument("--json", help="append the result as a JSON line to this file")
     args = p.parse_args()
+    if args.variant:
+        v = VARIANTS[args.variant]
+        args.set = v["sets"] + args.set
+        args.sdpa = args.sdpa or v.get("sdpa")
+        args.name = args.variant if args.name == "ours" else args.name
 
     from x1_common.fsutil import write_json_atomic
     from x1_pretrain import train as T
 
-    peak = args.peak_tflops or matmul_peak_tflops()
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # CPU: a dry run of this script
+    peak = args.peak_tflops or (matmul_peak_tflops() if cuda else 1.0)
     set_sdpa(args.sdpa)
     work = Path(tempfile.mkdtemp(prefix="x1-bench-"))
     budget = work / "budget.json"
     write_json_atomic(budget, {"spent_usd": 1.0, "rate_usd_per_hr": 3.5, "hours_elapsed": 0.3,
                                "projected_total_usd": 20.0, "last_update_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    total = args.steps + args.loop_steps + 2
+    total = args.steps + args.loop_steps + 3
     argv = ["--config", args.config, "--data-dir", args.data_dir, "--ckpt-dir", str(work / "ckpt"),
             "--mlflow-uri", f"file://{work}/mlruns", "--total-steps", str(total), "--log-every", "10",
             "--eval-every", "1000000", "--ckpt-every", "1000000", "--metrics-port", "0",
@@ -90,7 +117,8 @@ def main() -> int:
         argv += ["--set", s]
     targs = T.build_parser().parse_args(argv)
     cfg = T.config_from_args(targs)
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     run = T.setup(targs, cfg, T.StopSignal())
     compile_s = time.perf_counter() - t0
@@ -104,18 +132,29 @@ def main() -> int:
         run.optimizer.zero_grad(set_to_none=True)
 
     one_step(0)  # first real step: finishes autotuning / graph capture
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for i in range(1, args.steps + 1):
         one_step(i)
-    torch.cuda.synchronize()
+    sync()
     bare_tps = args.steps * cfg.train.tokens_per_step / (time.perf_counter() - t)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            one_step(args.steps + 1)
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30), flush=True)
+        run.batches.close()
+        run.batches = run.make_batches(args.steps + 2, run.micro_batch, run.grad_accum)
+        run.state.step = args.steps + 2
 
     loop_tps = None
     if args.loop_steps:
-        run.batches.close()
-        run.state.step = args.steps + 1
-        run.batches = run.make_batches(run.state.step, run.micro_batch, run.grad_accum)
+        if not args.profile:
+            run.batches.close()
+            run.state.step = args.steps + 1
+            run.batches = run.make_batches(run.state.step, run.micro_batch, run.grad_accum)
         run.throughput = T.Throughput()
         T.train_loop(run)
         from mlflow.tracking import MlflowClient
@@ -130,16 +169,19 @@ def main() -> int:
 
     fpt = run.flops_per_token
     result = {
-        "name": args.name, "sets": args.set, "sdpa": args.sdpa or "default", "gpu": torch.cuda.get_device_name(),
+        "name": args.name, "sets": args.set, "sdpa": args.sdpa or "default", "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "micro_batch": run.micro_batch, "grad_accum": run.grad_accum,
         "loss_impl": "fused" if run.raw_model.fused_loss else "torch", "padded_vocab": cfg.model.padded_vocab_size,
         "bare_tokens_per_sec": round(bare_tps), "bare_tflops": round(bare_tps * fpt / 1e12, 1),
         "bare_mfu_measured": round(bare_tps * fpt / 1e12 / peak, 4), "bare_mfu_989": round(bare_tps * fpt / 1e12 / 989, 4),
         "loop_tokens_per_sec": round(loop_tps) if loop_tps else None,
         "loop_overhead": round(1 - loop_tps / bare_tps, 4) if loop_tps else None,
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "setup_and_compile_s": round(compile_s, 1),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else 0.0, "setup_and_compile_s": round(compile_s, 1),
         "matmul_peak_tflops": round(peak, 1), "flops_per_token": fpt,
     }
+    result["world_size"] = run.dist.world_size
+    if not run.dist.is_main:
+        return 0
     print(json.dumps(result), flush=True)
     if args.json:
         with open(args.json, "a") as f:

@@ -637,6 +637,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     from x1_pretrain.budget_guard import BudgetGuard
 
     d = D.init(cfg.train.device)
+    if not d.is_main:  # one voice: rank 0 logs, the others speak only of problems
+        logging.getLogger().setLevel(logging.WARNING)
     grad_accum = cfg.grad_accum(d.world_size)  # ConfigError when the world size does not divide
     seed_everything(cfg.train.seed)
     if d.device.type == "cuda":

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: the plain reference and our training step, side by side, on the same GPU.
+#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded fused-ce" bash bench/gpu_run.sh
+# Writes reference.txt, ours.jsonl and table.md under $OUT (default ./bench-out).
+set -uo pipefail
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+VARIANTS=${VARIANTS:-"plain padded fused-ce"}
+LOOP_VARIANT=${LOOP_VARIANT:-fused-ce}   # the one also measured as the full loop
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 "$REFERENCE" 2>&1 | tee "$OUT/reference.txt"
+PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt")
+for v in $VARIANTS; do
+  loop=0; [ "$v" = "$LOOP_VARIANT" ] && loop=${LOOP_STEPS:-30}
+  python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps "${STEPS:-8}" --loop-steps "$loop" \
+      ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" ${PROFILE_VARIANT:+$([ "$v" = "$PROFILE_VARIANT" ] && echo --profile)} \
+      2>&1 | grep -v "^preflight" | tail -45
+done
+python3 bench/report.py --reference "$OUT/reference.txt" --ours "$OUT/ours.jsonl" | tee "$OUT/table.md"
