@@ -65,6 +65,8 @@ def encode_document_array(text: str) -> np.ndarray:
     the raw encoder's rate. No special token is allowed, so a literal "<|endoftext|>" stays text.
     """
     core = gpt2_encoding()._core_bpe
+    if not hasattr(core, "encode_to_tiktoken_buffer"):  # tiktoken older than the buffer API
+        return np.array(encode_document(text), dtype=np.uint32)
     try:
         buffer = core.encode_to_tiktoken_buffer(text, set())
     except UnicodeEncodeError:
