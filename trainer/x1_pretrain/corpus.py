@@ -6,7 +6,7 @@ FineWeb-Edu-schema parquet for demos, tests and the tokenizer benchmark.
 
 `stdlib-docstrings` reads the standard library's source files with `ast` (importing them could
 have side effects) plus the language-reference topics shipped as `pydoc_data`: one document per
-module (its docstring and those of its classes and functions) and one per topic. That is ~2.7 MB
+module (its docstring and those of its classes and functions) and one per topic. That is ~3 MB
 of text on CPython 3.11; asking for more writes all there is and says so. `installed-docstrings`
 continues into site-packages for corpora of tens of MB (the benchmark). Nothing is copied into
 the repository, and the same interpreter and packages give the same bytes on every run.
@@ -151,7 +151,7 @@ def source_documents(source: str) -> Iterator[Document]:
 
 
 SOURCES = {
-    "stdlib-docstrings": "the standard library's docstrings and pydoc topics (~2.7 MB on CPython 3.11)",
+    "stdlib-docstrings": "the standard library's docstrings and pydoc topics (~3 MB on CPython 3.11)",
     "installed-docstrings": "stdlib-docstrings, then the docstrings of everything in site-packages (tens of MB)",
 }
 

@@ -883,6 +883,13 @@ def build_parser() -> argparse.ArgumentParser:
             "Parallel, resumable after a kill (rerun the same command), outputs appear only when complete. "
             "Exit 2 on bad input, naming the file and the problem."
         ),
+        epilog=(
+            "Formats by extension: *.parquet (column text, FineWeb-Edu), *.jsonl.zst and *.jsonl (field text, one "
+            "JSON object a line), *.txt (one document a file). Null and empty texts are skipped and counted in "
+            f"meta.json. Work in progress lives in OUTPUT/{WORK_DIR} and is removed once the outputs are complete; "
+            "a rerun with the same inputs and settings continues from it, or does nothing when the outputs are up "
+            "to date."
+        ),
     )
     p.add_argument("--input-dir", required=True, type=Path, help="folder searched recursively for input files")
     p.add_argument("--output-dir", required=True, type=Path, help="gets train.bin, val.bin, meta.json (created)")
