@@ -62,7 +62,31 @@ VARIANTS: dict[str, dict] = {
     "adamw-foreach": {"sets": ["optim.fused=off"]},
     "micro-64": {"sets": ["train.micro_batch_size=64"]},
     "eager": {"sets": ["train.compile=false"]},
+    # Code-level alternatives (module switches; same math, other kernels):
+    "ce-vector": {"patch": {"x1_pretrain.losses.FWD_KERNEL": "vector"}},
+    "rope-roll": {"patch": {"x1_pretrain.model.ROPE_IMPL": "roll"}},
+    "rope-joint": {"patch": {"x1_pretrain.model.ROPE_JOINT": True}},
+    "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
 }
+
+
+def resolve_variant(name: str) -> dict:
+    """'a+b' combines levers: their overrides, SDPA switch and module patches."""
+    out: dict = {"sets": [], "sdpa": None, "patch": {}}
+    for part in name.split("+"):
+        v = VARIANTS[part]
+        out["sets"] += v.get("sets", [])
+        out["sdpa"] = v.get("sdpa", out["sdpa"])
+        out["patch"].update(v.get("patch", {}))
+    return out
+
+
+def apply_patches(patches: dict) -> None:
+    import importlib
+
+    for dotted, value in patches.items():
+        module, attr = dotted.rsplit(".", 1)
+        setattr(importlib.import_module(module), attr, value)
 
 
 def set_sdpa(backend: str | None) -> None:
@@ -80,7 +104,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(REPO / "configs/x1-50m-a100.yaml"))
     p.add_argument("--data-dir", required=True)
-    p.add_argument("--variant", choices=sorted(VARIANTS), help="a named lever (overrides and SDPA backend)")
+    p.add_argument("--variant", help=f"a named lever, or several joined by +: {', '.join(VARIANTS)}")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--sdpa", choices=["flash", "cudnn", "efficient", "math"])
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one bare step")
@@ -90,14 +114,18 @@ def main() -> int:
     p.add_argument("--name", default="ours")
     p.add_argument("--json", help="append the result as a JSON line to this file")
     args = p.parse_args()
+    patches: dict = {}
     if args.variant:
-        v = VARIANTS[args.variant]
+        v = resolve_variant(args.variant)
         args.set = v["sets"] + args.set
-        args.sdpa = args.sdpa or v.get("sdpa")
+        args.sdpa = args.sdpa or v["sdpa"]
+        patches = v["patch"]
         args.name = args.variant if args.name == "ours" else args.name
 
     from x1_common.fsutil import write_json_atomic
     from x1_pretrain import train as T
+
+    apply_patches(patches)
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)  # CPU: a dry run of this script

@@ -22,6 +22,7 @@ except ImportError:  # CPU-only torch builds have no Triton
     triton = None
 
 _BLOCK = 4096
+FWD_KERNEL = "block"  # "block": a max and a sum per block; "vector": per-lane running max/sum, reduced once
 
 
 if triton is not None:
@@ -39,6 +40,29 @@ if triton is not None:
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
         lse = m + tl.log(s)
+        target = tl.load(targets_ptr + row)
+        x_t = tl.load(base + target).to(tl.float32)
+        tl.store(loss_ptr + row, lse - x_t)
+        tl.store(lse_ptr + row, lse)
+
+    @triton.jit
+    def _ce_fwd_vec_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, V, BLOCK: tl.constexpr):
+        # Each lane keeps its own running max and sum-exp; one cross-lane reduction at the end
+        # instead of two per block (the block version is bound by those reductions, not memory).
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            seen = m_new != float("-inf")  # lanes past V in every block stay empty
+            s = tl.where(seen, s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
+            m = m_new
+        row_max = tl.max(m, 0)
+        total = tl.sum(tl.where(m != float("-inf"), s * tl.exp(m - row_max), 0.0), 0)
+        lse = row_max + tl.log(total)
         target = tl.load(targets_ptr + row)
         x_t = tl.load(base + target).to(tl.float32)
         tl.store(loss_ptr + row, lse - x_t)
@@ -74,7 +98,10 @@ def ce_fwd(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[tor
     n = logits.size(0)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
-    _ce_fwd_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=_BLOCK, num_warps=16)
+    if FWD_KERNEL == "vector":
+        _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
+    else:
+        _ce_fwd_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=_BLOCK, num_warps=16)
     return loss, lse
 
 

@@ -25,6 +25,8 @@ except Exception:  # noqa: BLE001 - an ImportError, or a CUDA/driver mismatch at
     flash_attn_func = None
 
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+ROPE_IMPL = "cat"  # how the half rotation is written (same math): "cat" or "roll"
+ROPE_JOINT = False  # rotate q and k as one tensor (one kernel each way) instead of two
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -64,6 +66,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # x: (B, T, H, hd); cos/sin: (T, hd) broadcast over batch and heads
     cos = cos[None, :, None, :].to(x.dtype)
     sin = sin[None, :, None, :].to(x.dtype)
+    if ROPE_IMPL == "roll":
+        half = x.size(-1) // 2
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return x * cos + torch.roll(x, half, dims=-1) * sin_signed
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
@@ -98,12 +104,17 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
-        )
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), cos, sin)  # (B, T, H, hd)
-        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), cos, sin)  # (B, T, Hkv, hd)
-        v = v.view(B, T, self.n_kv_head, self.head_dim)
+        H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.wqkv(x)
+        if ROPE_JOINT:
+            qk = apply_rope(qkv[..., : (H + Hkv) * hd].view(B, T, H + Hkv, hd), cos, sin)
+            q, k = qk.split([H, Hkv], dim=2)  # (B, T, H, hd), (B, T, Hkv, hd)
+            v = qkv[..., (H + Hkv) * hd :].view(B, T, Hkv, hd)
+        else:
+            q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            q = apply_rope(q.view(B, T, H, hd), cos, sin)  # (B, T, H, hd)
+            k = apply_rope(k.view(B, T, Hkv, hd), cos, sin)  # (B, T, Hkv, hd)
+            v = v.view(B, T, Hkv, hd)
         start = 0
         if cache is not None:
             start = cache.pos
