@@ -1,0 +1,182 @@
+"""`make demo` end to end: `python -m x1_pretrain.demo`, the entry point the Makefile runs, on a
+short run (--steps 60) in a temporary workspace.
+
+- the whole stack comes up as processes, the simulated preemption is relaunched by the watchdog,
+  the (fake) instance is terminated, the run is exported and every DoD line passes;
+- the provider API key made up for the session (read here from the fake billing API's own
+  environment) is on no command line, in no file of the workspace and not in the output;
+- Ctrl-C stops every process the demo started, and a busy default port is reported and avoided.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env
+
+from x1_common.contracts import SIDECAR_PORT
+
+pytestmark = pytest.mark.slow
+
+RUN_FILES = ("manifest.json", "metrics.csv", "loss-curve.png", "gradnorm-curve.png", "throughput.png",
+             "final.safetensors", "mlflow-run-uri.txt", "spike-postmortem.md", "dod.json")
+PORTS_LINE = re.compile(r"ports: mlflow (\d+), trainer (\d+), sidecar (\d+), watchdog (\d+), fake billing (\d+)")
+
+
+def start_demo(workspace: Path, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    # A session of its own, as a terminal's job would be: the signals we send reach the demo only.
+    return subprocess.Popen(
+        [sys.executable, "-m", "x1_pretrain.demo", "--workspace", str(workspace), *args],
+        stdout=open(out, "wb"), stderr=subprocess.STDOUT, env=env or cli_env(), cwd=REPO, start_new_session=True,
+    )
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: subprocess.Popen, out: Path) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"demo exited with {proc.returncode} before {what}:\n{out.read_text()[-4000:]}")
+        time.sleep(0.3)
+    pytest.fail(f"timed out after {timeout:g} s waiting for {what}:\n{out.read_text()[-4000:]}")
+
+
+def ports_of(out: Path) -> dict[str, int] | None:
+    m = PORTS_LINE.search(out.read_text(errors="replace"))
+    return dict(zip(("mlflow", "trainer", "sidecar", "watchdog", "fake_billing"), map(int, m.groups()), strict=True)) if m else None
+
+
+def processes() -> dict[int, tuple[bytes, bytes]]:
+    """pid -> (command line, environment) of every process we can read."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out[int(entry.name)] = ((entry / "cmdline").read_bytes(), (entry / "environ").read_bytes())
+            except OSError:
+                continue
+    return out
+
+
+def fake_billing_key(port: int) -> str | None:
+    """The bearer key the demo gave its fake billing API, from that process's environment."""
+    for cmdline, environ in processes().values():
+        args = cmdline.split(b"\0")
+        if b"budget_sidecar.fake_billing" in args and str(port).encode() in args:
+            for var in environ.split(b"\0"):
+                if var.startswith(b"BILLING_API_KEY="):
+                    return var.split(b"=", 1)[1].decode()
+    return None
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def events(workspace: Path) -> list[dict]:
+    return [json.loads(line) for line in (workspace / "logs" / "watchdog-events.jsonl").read_text().splitlines()]
+
+
+def test_demo_runs_the_stack_through_a_preemption_and_passes_every_dod_check(tmp_path):
+    ws, out = tmp_path / "demo-workspace", tmp_path / "demo.out"
+    proc = start_demo(ws, out, "--steps", "60", "--free-ports")
+    try:
+        ports = wait_for(lambda: ports_of(out), 60, "the ports line", proc, out)
+        key = wait_for(lambda: fake_billing_key(ports["fake_billing"]), 60, "the fake billing API", proc, out)
+        # While the services run: the key is in their environment, on no command line (`ps` shows those).
+        wait_for(lambda: "Training under the watchdog" in out.read_text(), 120, "training", proc, out)
+        assert not [pid for pid, (cmdline, _) in processes().items() if key.encode() in cmdline]
+        code = proc.wait(timeout=420)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(60)
+    text = out.read_text()
+    assert code == 0, text[-5000:]
+
+    run = ws / "run"
+    for name in RUN_FILES:
+        assert (run / name).is_file() and (run / name).stat().st_size > 0, name
+    dod = json.loads((run / "dod.json").read_text())
+    assert dod["passed"] is True and len(dod["checks"]) == 6 and all(c["ok"] for c in dod["checks"]), dod
+    assert "all 6 checks pass" in text and "All DoD checks pass." in text
+    assert re.search(r"step\s+60/60\s+loss", text)  # live progress, a line per log step
+
+    # The preemption: SIGTERM to the trainer -> 75 -> relaunch with --resume-from-latest -> finished.
+    ev = events(ws)
+    kinds = [(e["event"], e.get("exit_code")) for e in ev]
+    assert kinds == [("start", None), ("exit", 75), ("relaunch", 75), ("start", None), ("exit", 0),
+                     ("terminate", 0)], kinds
+    assert ev[1]["reason"] == "preempted" and ev[1]["stop_requested"] is False
+    assert ev[3]["resume"] is True and ev[3]["trainer"].endswith("--resume-from-latest")
+    assert "simulated preemption: SIGTERM to trainer pid" in text
+
+    termination = json.loads((ws / "logs" / "termination.json").read_text())
+    assert termination["instance_after"]["status"] == "terminated"
+    assert json.loads((run / "termination.json").read_text()) == termination
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["end"] == "finished" and 0 < manifest["spent_usd"] <= 35
+
+    # The key: in no file of the workspace (the MLflow database and the logs included), not printed.
+    assert key not in text
+    leaks = [str(f) for f in ws.rglob("*") if f.is_file() and key.encode() in f.read_bytes()]
+    assert not leaks, leaks
+
+
+def test_ctrl_c_stops_every_process_the_demo_started_and_a_busy_port_is_reported(tmp_path, tiny_data):
+    ws, out = tmp_path / "demo-workspace", tmp_path / "demo.out"
+    # A workspace whose tokens are already there (the demo reuses them): straight to the services.
+    (ws / "data").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(tiny_data), str(ws / "data" / "tokenized")], check=True)
+    (ws / ".x1-demo-workspace").write_text("")
+    # Every process the demo starts inherits its environment: this marker finds them all.
+    marker = f"X1_DEMO_TEST_MARKER={os.getpid()}-{time.monotonic_ns()}"
+    env = cli_env(**dict([marker.split("=", 1)]))
+
+    busy = socket.socket()
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        busy.bind(("127.0.0.1", SIDECAR_PORT))
+        busy.listen()
+    except OSError:
+        pass  # already taken by something else: busy either way
+    try:
+        proc = start_demo(ws, out, env=env)
+        try:
+            ports = wait_for(lambda: ports_of(out), 60, "the ports line", proc, out)
+            assert ports["sidecar"] != SIDECAR_PORT
+            assert f"port {SIDECAR_PORT} (sidecar) is busy: using {ports['sidecar']} instead" in out.read_text()
+            wait_for(lambda: re.search(r"step\s+10/200\s+loss", out.read_text()), 180, "training steps", proc, out)
+            mine = [pid for pid, (_, environ) in processes().items() if marker.encode() in environ.split(b"\0")]
+            assert len(mine) >= 6  # the demo, fake billing, sidecar, MLflow (+ its worker), watchdog, trainer
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+    finally:
+        busy.close()
+    text = out.read_text()
+    assert code == 130, text[-4000:]
+    assert "interrupted: every process the demo started has been stopped" in text
+    left = [pid for pid, (_, environ) in processes().items() if marker.encode() in environ.split(b"\0")]
+    assert not left, [processes().get(pid, (b"",))[0] for pid in left]
+    assert not [name for name, port in ports.items() if listening(port)]
+    # The trainer got the stop through the watchdog and wrote its emergency checkpoint.
+    last_exit = [e for e in events(ws) if e["event"] == "exit"][-1]
+    assert last_exit["exit_code"] == 75 and last_exit["stop_requested"] is True
