@@ -1,7 +1,7 @@
 """Throughput of the project's own training step and loop on a GPU (issue: GPU throughput).
 
     python bench/train_throughput.py --data-dir DATA --config configs/x1-50m-a100.yaml \\
-        [--set train.loss_impl=torch ...] [--sdpa cudnn] [--steps 10] [--loop-steps 30] --json out.jsonl
+        [--variant shipped | --set train.kernels=torch ...] [--sdpa cudnn] [--steps 10] [--loop-steps 30] --json out.jsonl
 
 Builds the run exactly as `python -m x1_pretrain.train` does (`train.setup`: data, model, compile,
 optimizer, MLflow, Prometheus, heartbeat, budget guard), then measures
@@ -50,9 +50,13 @@ def matmul_peak_tflops() -> float:
 # The levers of docs/PERFORMANCE.md, one per process. Each is config overrides (and/or a global
 # SDPA backend switch) on top of configs/x1-50m-a100.yaml; the loop's code is the same in all.
 VARIANTS: dict[str, dict] = {
-    "plain": {"sets": ["model.pad_vocab_to_multiple_of=1", "train.loss_impl=torch"]},
-    "padded": {"sets": ["train.loss_impl=torch"]},
-    "fused-ce": {"sets": []},  # the config as shipped: padded vocab + fused cross-entropy
+    "plain": {"sets": ["model.pad_vocab_to_multiple_of=1", "train.kernels=torch"]},
+    "padded": {"sets": ["train.kernels=torch"]},
+    "shipped": {"sets": []},  # the config as shipped: padded vocab + our CE, RoPE and SwiGLU kernels
+    "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False}},
+    "no-rope-kernel": {"patch": {"x1_pretrain.model.FUSED_ROPE": False}},
+    "no-swiglu-kernel": {"patch": {"x1_pretrain.model.FUSED_SWIGLU": False}},
+    "ce-hybrid": {"patch": {"x1_pretrain.losses.FWD_KERNEL": "hybrid"}},
     "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},
     "sdpa-flash": {"sets": [], "sdpa": "flash"},
     "sdpa-efficient": {"sets": [], "sdpa": "efficient"},
@@ -62,10 +66,6 @@ VARIANTS: dict[str, dict] = {
     "adamw-foreach": {"sets": ["optim.fused=off"]},
     "micro-64": {"sets": ["train.micro_batch_size=64"]},
     "eager": {"sets": ["train.compile=false"]},
-    # Code-level alternatives (module switches; same math, other kernels):
-    "ce-vector": {"patch": {"x1_pretrain.losses.FWD_KERNEL": "vector"}},
-    "rope-roll": {"patch": {"x1_pretrain.model.ROPE_IMPL": "roll"}},
-    "rope-joint": {"patch": {"x1_pretrain.model.ROPE_JOINT": True}},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
 }
 
@@ -199,7 +199,7 @@ def main() -> int:
     result = {
         "name": args.name, "sets": args.set, "sdpa": args.sdpa or "default", "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "micro_batch": run.micro_batch, "grad_accum": run.grad_accum,
-        "loss_impl": "fused" if run.raw_model.fused_loss else "torch", "padded_vocab": cfg.model.padded_vocab_size,
+        "kernels": "triton" if run.raw_model.fused_loss else "torch", "padded_vocab": cfg.model.padded_vocab_size,
         "bare_tokens_per_sec": round(bare_tps), "bare_tflops": round(bare_tps * fpt / 1e12, 1),
         "bare_mfu_measured": round(bare_tps * fpt / 1e12 / peak, 4), "bare_mfu_989": round(bare_tps * fpt / 1e12 / 989, 4),
         "loop_tokens_per_sec": round(loop_tps) if loop_tps else None,

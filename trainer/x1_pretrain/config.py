@@ -108,8 +108,8 @@ class TrainConfig(_Section):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="default: max-autotune measured no faster on this model for minutes more compile"
     )
-    loss_impl: Literal["auto", "torch", "fused"] = Field(
-        "auto", description="cross-entropy: fused = our Triton kernel over bf16 logits (CUDA); auto picks it on CUDA"
+    kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="our Triton kernels for cross-entropy, RoPE and SwiGLU (CUDA); auto = on when Triton runs"
     )
     log_every: int = Field(10, ge=1, description="steps between metric logs (--log-every)")
     eval_every: int = Field(1800, ge=1, description="steps between val evals (--eval-every)")

@@ -22,24 +22,25 @@ except ImportError:  # CPU-only torch builds have no Triton
     triton = None
 
 _BLOCK = 4096
-FWD_KERNEL = "block"  # "block": a max and a sum per block; "vector": per-lane running max/sum, reduced once
+FWD_KERNEL = "vector"  # per-lane running max/sum ("vector"), or one max per block ("hybrid")
 
 
 if triton is not None:
 
     @triton.jit
-    def _ce_fwd_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, V, BLOCK: tl.constexpr):
+    def _ce_fwd_hybrid_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, V, BLOCK: tl.constexpr):
+        # One max reduction per block, one exp per element (the sum stays per lane until the end).
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         m = float("-inf")
-        s = 0.0
+        s = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
-        lse = m + tl.log(s)
+        lse = m + tl.log(tl.sum(s, 0))
         target = tl.load(targets_ptr + row)
         x_t = tl.load(base + target).to(tl.float32)
         tl.store(loss_ptr + row, lse - x_t)
@@ -98,10 +99,10 @@ def ce_fwd(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[tor
     n = logits.size(0)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
-    if FWD_KERNEL == "vector":
-        _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
+    if FWD_KERNEL == "hybrid":
+        _ce_fwd_hybrid_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
     else:
-        _ce_fwd_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=_BLOCK, num_warps=16)
+        _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
     return loss, lse
 
 

@@ -25,8 +25,10 @@ except Exception:  # noqa: BLE001 - an ImportError, or a CUDA/driver mismatch at
     flash_attn_func = None
 
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-ROPE_IMPL = "cat"  # how the half rotation is written (same math): "cat" or "roll"
-ROPE_JOINT = False  # rotate q and k as one tensor (one kernel each way) instead of two
+# With the model's Triton kernels on (CUDA), which of them to use; the benchmark turns each off
+# to measure what it brings (docs/PERFORMANCE.md).
+FUSED_ROPE = True
+FUSED_SWIGLU = True
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -66,10 +68,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # x: (B, T, H, hd); cos/sin: (T, hd) broadcast over batch and heads
     cos = cos[None, :, None, :].to(x.dtype)
     sin = sin[None, :, None, :].to(x.dtype)
-    if ROPE_IMPL == "roll":
-        half = x.size(-1) // 2
-        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return x * cos + torch.roll(x, half, dims=-1) * sin_signed
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
@@ -99,22 +97,22 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.backend = "sdpa"
+        self.fused = False  # kernels.rope_qkv instead of PyTorch ops (training on CUDA)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.wqkv(x)
-        if ROPE_JOINT:
+        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) hd)
+        if self.fused and cache is None and FUSED_ROPE:
+            from x1_pretrain.kernels import rope_qkv
+
+            q, k, v = rope_qkv(qkv, cos, sin, H, Hkv)
+        else:  # q and k rotated as one tensor: one kernel each way instead of two
             qk = apply_rope(qkv[..., : (H + Hkv) * hd].view(B, T, H + Hkv, hd), cos, sin)
             q, k = qk.split([H, Hkv], dim=2)  # (B, T, H, hd), (B, T, Hkv, hd)
             v = qkv[..., (H + Hkv) * hd :].view(B, T, Hkv, hd)
-        else:
-            q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-            q = apply_rope(q.view(B, T, H, hd), cos, sin)  # (B, T, H, hd)
-            k = apply_rope(k.view(B, T, Hkv, hd), cos, sin)  # (B, T, Hkv, hd)
-            v = v.view(B, T, Hkv, hd)
         start = 0
         if cache is not None:
             start = cache.pos
@@ -148,9 +146,15 @@ class MLP(nn.Module):
         super().__init__()
         self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
         self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.fused = False  # kernels.swiglu instead of PyTorch ops (training on CUDA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        gate_up = self.w_gate_up(x)
+        if self.fused and FUSED_SWIGLU:
+            from x1_pretrain.kernels import swiglu
+
+            return self.w_down(swiglu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 
@@ -195,6 +199,12 @@ class Transformer(nn.Module):
     def set_attention_backend(self, backend: str) -> None:
         for block in self.layers:
             block.attn.backend = backend
+
+    def use_kernels(self, on: bool) -> None:
+        """Our Triton kernels (cross-entropy, RoPE, SwiGLU) instead of PyTorch's ops; same math."""
+        self.fused_loss = on
+        for block in self.layers:
+            block.attn.fused = block.mlp.fused = on
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states (B, T, d_model)."""

@@ -681,7 +681,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     raw.to(d.device)
     backend = attention_backend(cfg.model, d.device)
     raw.set_attention_backend(backend)
-    raw.fused_loss = use_fused_loss(cfg.train.loss_impl, d.device)
+    raw.use_kernels(use_kernels(cfg.train.kernels, d.device))
     if cfg.train.distributed == "fsdp2":
         D.wrap(raw, d, "fsdp2")
     fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type == "cuda")
@@ -737,14 +737,14 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     return run
 
 
-def use_fused_loss(impl: str, device: torch.device) -> bool:
+def use_kernels(choice: str, device: torch.device) -> bool:
     from x1_pretrain.losses import fused_available
 
-    if impl == "torch":
+    if choice == "torch":
         return False
     if not fused_available(device):
-        if impl == "fused":
-            log.warning("train.loss_impl=fused needs Triton on a CUDA GPU: using PyTorch's cross-entropy")
+        if choice == "triton":
+            log.warning("train.kernels=triton needs Triton on a CUDA GPU: using PyTorch's ops")
         return False
     return True
 

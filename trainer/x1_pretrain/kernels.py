@@ -1,0 +1,250 @@
+"""Hand-written Triton kernels for the two elementwise steps the compiler does poorly here.
+
+The profile of one training step on an H200 (docs/PERFORMANCE.md) showed two of inductor's
+generated kernels far from memory bandwidth: the backward of RoPE, where the gradients of q, k and
+v are rotated back and concatenated into the gradient of the fused qkv projection (index
+arithmetic and masked loads for every element: ~5x over the bytes it moves), and the backward of
+SwiGLU (~2x). Both are pure data movement with a few flops, so a kernel over tiles of
+(tokens x head_dim) or (tokens x d_ff) reaches the bandwidth.
+
+    q, k, v = rope_qkv(qkv, cos, sin, n_head, n_kv_head)   # qkv: (B, T, (H + 2 Hkv) hd)
+    h = swiglu(gate_up)                                   # gate_up: (B, T, 2 d_ff)
+
+Both are torch.library custom ops (opaque to torch.compile) with a plain PyTorch path that runs
+wherever Triton does not (the CPU, tests). Math in fp32, stored in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds have no Triton
+    triton = None
+
+
+def triton_ok(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+# ---- RoPE on the fused qkv projection --------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, N, T,
+                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program: BLOCK_N tokens x one head slot j (q heads, then k heads, then v heads)
+        half: tl.constexpr = HD // 2
+        j = tl.program_id(1)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, HD)
+        mask = (n < N)[:, None]
+        n64 = n.to(tl.int64)[:, None]
+        row = qkv_ptr + n64 * ((H + 2 * HKV) * HD) + j * HD
+        x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if j < H + HKV:
+            x_sw = tl.load(row + ((d + half) % HD)[None, :], mask=mask, other=0.0).to(tl.float32)
+            t = (n % T)[:, None]
+            c = tl.load(cos_ptr + t * HD + d[None, :], mask=mask, other=0.0)
+            s = tl.load(sin_ptr + t * HD + d[None, :], mask=mask, other=0.0)
+            sign = tl.where(d < half, -1.0, 1.0)[None, :]  # rotate-half: (-x2, x1)
+            y = x * c + sign * x_sw * s
+            if j < H:
+                tl.store(q_ptr + n64 * (H * HD) + j * HD + d[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(k_ptr + n64 * (HKV * HD) + (j - H) * HD + d[None, :], y.to(k_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(v_ptr + n64 * (HKV * HD) + (j - H - HKV) * HD + d[None, :], x.to(v_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, N, T,
+                         qb, qt, qh, qd, kb, kt, kh, kd, vb, vt, vh, vd,
+                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Gradients arrive in whatever layout attention's backward wrote them (strides given);
+        # the output is the contiguous gradient of the qkv projection.
+        half: tl.constexpr = HD // 2
+        j = tl.program_id(1)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, HD)
+        mask = (n < N)[:, None]
+        b = (n // T).to(tl.int64)[:, None]
+        t = (n % T)[:, None]
+        out = out_ptr + n.to(tl.int64)[:, None] * ((H + 2 * HKV) * HD) + j * HD + d[None, :]
+        if j < H + HKV:
+            d_sw = (d + half) % HD
+            if j < H:
+                src = dq_ptr + b * qb + t * qt + j * qh
+                g = tl.load(src + d[None, :] * qd, mask=mask, other=0.0).to(tl.float32)
+                g_sw = tl.load(src + d_sw[None, :] * qd, mask=mask, other=0.0).to(tl.float32)
+            else:
+                src = dk_ptr + b * kb + t * kt + (j - H) * kh
+                g = tl.load(src + d[None, :] * kd, mask=mask, other=0.0).to(tl.float32)
+                g_sw = tl.load(src + d_sw[None, :] * kd, mask=mask, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + t * HD + d[None, :], mask=mask, other=0.0)
+            s = tl.load(sin_ptr + t * HD + d[None, :], mask=mask, other=0.0)
+            sign = tl.where(d < half, 1.0, -1.0)[None, :]  # transpose of the rotation: (g2, -g1)
+            tl.store(out, (g * c + sign * g_sw * s).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            src = dv_ptr + b * vb + t * vt + (j - H - HKV) * vh
+            g = tl.load(src + d[None, :] * vd, mask=mask, other=0.0)
+            tl.store(out, g.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """x * cos + R(x) * sin in fp32 with R the rotate-half (sign -1) or its transpose (sign +1)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((sign * x2, -sign * x1), dim=-1)
+    return x.float() * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+
+
+@torch.library.custom_op("x1::rope_qkv", mutates_args=())
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_head: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused projection (B, T, (H + 2 Hkv) hd) into rotated q (B, T, H, hd), rotated
+    k (B, T, Hkv, hd) and v (B, T, Hkv, hd); cos/sin: (T, hd) fp32, rotate-half layout."""
+    B, T, C = qkv.shape
+    hd = C // (n_head + 2 * n_kv_head)
+    if not triton_ok(qkv):
+        x = qkv.view(B, T, n_head + 2 * n_kv_head, hd)
+        q, k, v = x.split([n_head, n_kv_head, n_kv_head], dim=2)
+        return (_rotate(q, cos, sin, -1.0).to(qkv.dtype), _rotate(k, cos, sin, -1.0).to(qkv.dtype), v.contiguous())
+    qkv = qkv.contiguous()
+    q = qkv.new_empty(B, T, n_head, hd)
+    k = qkv.new_empty(B, T, n_kv_head, hd)
+    v = qkv.new_empty(B, T, n_kv_head, hd)
+    block = 64
+    grid = (triton.cdiv(B * T, block), n_head + 2 * n_kv_head)
+    _rope_fwd_kernel[grid](qkv, cos, sin, q, k, v, B * T, T, H=n_head, HKV=n_kv_head, HD=hd, BLOCK_N=block, num_warps=4)
+    return q, k, v
+
+
+@rope_qkv.register_fake
+def _(qkv, cos, sin, n_head, n_kv_head):
+    B, T, C = qkv.shape
+    hd = C // (n_head + 2 * n_kv_head)
+    return qkv.new_empty(B, T, n_head, hd), qkv.new_empty(B, T, n_kv_head, hd), qkv.new_empty(B, T, n_kv_head, hd)
+
+
+@torch.library.custom_op("x1::rope_qkv_backward", mutates_args=())
+def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> torch.Tensor:
+    """Gradient of the fused projection: the rotations undone, q | k | v concatenated."""
+    B, T, H, hd = dq.shape
+    Hkv = dk.size(2)
+    if not triton_ok(dq):
+        parts = [_rotate(dq, cos, sin, 1.0), _rotate(dk, cos, sin, 1.0), dv.float()]
+        return torch.cat(parts, dim=2).to(dq.dtype).reshape(B, T, (H + 2 * Hkv) * hd)
+    out = dq.new_empty(B, T, (H + 2 * Hkv) * hd)
+    block = 64
+    grid = (triton.cdiv(B * T, block), H + 2 * Hkv)
+    _rope_bwd_kernel[grid](dq, dk, dv, cos, sin, out, B * T, T, *dq.stride(), *dk.stride(), *dv.stride(),
+                           H=H, HKV=Hkv, HD=hd, BLOCK_N=block, num_warps=4)
+    return out
+
+
+@rope_qkv_backward.register_fake
+def _(dq, dk, dv, cos, sin):
+    B, T, H, hd = dq.shape
+    return dq.new_empty(B, T, (H + 2 * dk.size(2)) * hd)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    _, cos, sin, _, _ = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _rope_backward(ctx, dq, dk, dv):
+    cos, sin = ctx.saved_tensors
+    return rope_qkv_backward(dq, dk, dv, cos, sin), None, None, None, None
+
+
+rope_qkv.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+# ---- SwiGLU ------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_fwd_kernel(gu_ptr, h_ptr, total, F_: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < total
+        row, col = i // F_, i % F_
+        g = tl.load(gu_ptr + row * (2 * F_) + col, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * (2 * F_) + F_ + col, mask=mask, other=0.0).to(tl.float32)
+        h = g * tl.sigmoid(g) * u
+        tl.store(h_ptr + i, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, total, F_: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < total
+        row, col = i // F_, i % F_
+        g = tl.load(gu_ptr + row * (2 * F_) + col, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * (2 * F_) + F_ + col, mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+        du = dh * silu
+        tl.store(dgu_ptr + row * (2 * F_) + col, dg.to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptr + row * (2 * F_) + F_ + col, du.to(dgu_ptr.dtype.element_ty), mask=mask)
+
+
+_SWIGLU_BLOCK = 2048
+
+
+@torch.library.custom_op("x1::swiglu", mutates_args=())
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    if not triton_ok(gate_up):
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(gate_up.dtype)
+    gate_up = gate_up.contiguous()
+    f = gate_up.size(-1) // 2
+    h = gate_up.new_empty(*gate_up.shape[:-1], f)
+    total = h.numel()
+    _swiglu_fwd_kernel[(triton.cdiv(total, _SWIGLU_BLOCK),)](gate_up, h, total, F_=f, BLOCK=_SWIGLU_BLOCK, num_warps=8)
+    return h
+
+
+@swiglu.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.size(-1) // 2)
+
+
+@torch.library.custom_op("x1::swiglu_backward", mutates_args=())
+def swiglu_backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    if not triton_ok(gate_up):
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        dg = dh.float() * up * sig * (1 + gate * (1 - sig))
+        du = dh.float() * gate * sig
+        return torch.cat((dg, du), dim=-1).to(gate_up.dtype)
+    dh = dh.contiguous()
+    dgu = torch.empty_like(gate_up)
+    total = dh.numel()
+    _swiglu_bwd_kernel[(triton.cdiv(total, _SWIGLU_BLOCK),)](gate_up, dh, dgu, total, F_=dh.size(-1),
+                                                             BLOCK=_SWIGLU_BLOCK, num_warps=8)
+    return dgu
+
+
+@swiglu_backward.register_fake
+def _(gate_up, dh):
+    return torch.empty_like(gate_up)
+
+
+def _swiglu_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_bwd(ctx, dh):
+    (gate_up,) = ctx.saved_tensors
+    return swiglu_backward(gate_up.contiguous(), dh)
+
+
+swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
