@@ -90,7 +90,7 @@ if triton is not None:
             tl.store(out, (g * c + sign * g_sw * s).to(out_ptr.dtype.element_ty), mask=mask)
         else:
             src = dv_ptr + b * vb + t * vt + (j - H - HKV) * vh
-            g = tl.load(src + d[None, :] * vd, mask=mask, other=0.0)
+            g = tl.load(src + d[None, :] * vd, mask=mask, other=0.0).to(tl.float32)  # same type in both branches
             tl.store(out, g.to(out_ptr.dtype.element_ty), mask=mask)
 
 
