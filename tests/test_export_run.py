@@ -1,0 +1,406 @@
+"""export_run: the run folder of a tiny CPU run with an injected spike, read from real MLflow
+(sqlite and a real `mlflow server`); stopped runs, resumed runs, bad input, a day's worth of metrics.
+
+`spiked_run` (session-wide, shared with test_dod.py and test_postmortem.py) trains the tiny config
+for 70 steps with `--inject-spike-at-step 50` in a /workspace-like layout (checkpoints/,
+budget.json, logs/termination.json), exports it and writes its post-mortem, all through the CLIs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from conftest import free_port, run_module, train_args
+from PIL import Image
+
+from x1_common.contracts import BudgetReading, utc_now
+from x1_common.fsutil import sha256_file
+
+SPIKE_AT = 50
+TOTAL_STEPS = 70
+TOKENS_PER_STEP = 512  # tiny-cpu.yaml
+SPENT_USD = 1.37
+PNGS = ("loss-curve.png", "gradnorm-curve.png", "throughput.png")
+JUPYTER_TOKEN = "jt-5f0c1d2e3b4a"  # Lambda's instance record carries one; it must not reach the run folder
+
+
+@dataclass(frozen=True)
+class SpikedRun:
+    root: Path  # the workspace: checkpoints/, budget.json, logs/, run/
+    db: Path
+    run_id: str
+
+    @property
+    def uri(self) -> str:
+        return f"sqlite:///{self.db}"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+
+def write_workspace_records(root: Path, spent_usd: float = SPENT_USD) -> None:
+    """budget.json as the sidecar writes it and termination.json as the watchdog writes it (a
+    Lambda terminate answer, then the instance record asked for again)."""
+    reading = BudgetReading(spent_usd=spent_usd, rate_usd_per_hr=1.10, hours_elapsed=1.25, projected_total_usd=26.4,
+                            last_update_utc=utc_now() - timedelta(minutes=2), cap_usd=35.0, provider="lambda",
+                            instance_id="inst-1", source="provider-api")
+    (root / "budget.json").write_text(json.dumps(reading.to_dict()))
+    instance = {"id": "inst-1", "name": "x1", "status": "terminated", "jupyter_token": JUPYTER_TOKEN,
+                "instance_type": {"name": "gpu_1x_a100_sxm4", "price_cents_per_hour": 110}}
+    record = {"provider": "lambda", "instance_id": "inst-1", "time": "2026-05-24T15:42:01.000Z", "exit_code": 0,
+              "reason": "finished", "response": {"data": {"terminated_instances": [instance]}},
+              "instance_after": {"status": "terminated", "raw_status": "terminated", "raw": instance}}
+    (root / "logs").mkdir(exist_ok=True)
+    (root / "logs" / "termination.json").write_text(json.dumps(record))
+
+
+def build_spiked_run(root: Path, data: Path) -> SpikedRun:
+    db = root / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    train = run_module("x1_pretrain.train", *train_args(data, root / "checkpoints", uri, "--inject-spike-at-step",
+                                                        str(SPIKE_AT), total=TOTAL_STEPS), timeout=900)
+    assert train.returncode == 0, train.stderr[-3000:]
+    write_workspace_records(root)
+    # No --budget-file / --termination-file: the export finds them beside the checkpoints.
+    export = run_module("x1_pretrain.export_run", "--mlflow-uri", uri, "--output", str(root / "run"))
+    assert export.returncode == 0, export.stderr[-3000:]
+    post = run_module("x1_pretrain.postmortem", "--mlflow-uri", uri, "--output", str(root / "run" / "spike-postmortem.md"))
+    assert post.returncode == 0, post.stderr[-3000:]
+    run_id = json.loads((root / "run" / "manifest.json").read_text())["mlflow"]["run_id"]
+    return SpikedRun(root, db, run_id)
+
+
+@pytest.fixture(scope="session")
+def spiked_run(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> SpikedRun:
+    # Imported by test_dod.py and test_postmortem.py too: each module gets its own copy of this
+    # fixture, so the run is cached on disk and built once per session.
+    root = tmp_path_factory.getbasetemp() / "spiked-run"
+    ready = root / "READY.json"
+    if ready.is_file():
+        saved = json.loads(ready.read_text())
+        return SpikedRun(Path(saved["root"]), Path(saved["db"]), saved["run_id"])
+    if root.exists():  # another module's copy of this fixture tried and failed: say so, do not retrain
+        pytest.fail(f"building the spiked run failed earlier in this session (see {root})")
+    root.mkdir()
+    run = build_spiked_run(root, tiny_data)
+    ready.write_text(json.dumps({k: str(v) for k, v in asdict(run).items()}))
+    return run
+
+
+def mlflow_histories(uri: str, run_id: str) -> dict[str, list]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return {k: client.get_metric_history(run_id, k) for k in client.get_run(run_id).data.metrics}
+
+
+def read_csv_rows(path: Path) -> list[tuple[int, str, float]]:
+    reader = csv.DictReader(io.StringIO(path.read_text()))
+    assert reader.fieldnames == ["step", "name", "value"]
+    return [(int(r["step"]), r["name"], float(r["value"])) for r in reader]
+
+
+def assert_png(path: Path) -> None:
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] > 300 and im.size[1] > 200
+
+
+@contextmanager
+def mlflow_server(db: Path, workdir: Path) -> Iterator[str]:
+    """A real `mlflow server` on a free port of 127.0.0.1, over a sqlite backend."""
+    port = free_port()
+    log = open(workdir / "mlflow-server.log", "wb")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination",
+         str(workdir / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (workdir / "mlflow-server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server did not answer /health in 120 s"
+            time.sleep(0.3)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the uvicorn worker goes too
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
+
+
+def new_run(uri: str, like: SpikedRun, metrics: list[tuple[str, float, int, int]], tags: dict[str, str] | None = None,
+            params: dict[str, str] | None = None) -> str:
+    """A run in a fresh store with the spiked run's params and tags (overridden by `params`,
+    `tags`) and the given metrics (name, value, timestamp ms, step), logged in that order."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    src = MlflowClient(like.uri).get_run(like.run_id)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("x1-pretraining")
+    run = client.create_run(exp, tags={**src.data.tags, **(tags or {})})
+    params = [Param(k, v) for k, v in {**src.data.params, **(params or {})}.items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[i : i + 100])
+    batch = [Metric(k, v, ts, s) for k, v, ts, s in metrics]
+    for i in range(0, len(batch), 1000):
+        client.log_batch(run.info.run_id, metrics=batch[i : i + 1000])
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def flip_byte(path: Path) -> None:
+    """Invert one byte in the middle of the file (tensor data, past the safetensors header)."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def export_main(*args: str) -> int:
+    from x1_pretrain import export_run
+
+    return export_run.main(list(args))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_export_writes_every_artifact_and_each_is_valid(spiked_run: SpikedRun) -> None:
+    run_dir = spiked_run.run_dir
+    for name in ("manifest.json", "metrics.csv", *PNGS, "final.safetensors", "mlflow-run-uri.txt",
+                 "budget.json", "termination.json"):
+        assert (run_dir / name).is_file(), name
+    for name in PNGS:
+        assert_png(run_dir / name)
+
+    # metrics.csv: one row per (step, name), the values MLflow holds (no resume: one value each).
+    rows = read_csv_rows(run_dir / "metrics.csv")
+    assert len({(s, n) for s, n, _ in rows}) == len(rows)
+    histories = mlflow_histories(spiked_run.uri, spiked_run.run_id)
+    assert {(s, n, v) for s, n, v in rows} == {(m.step, k, m.value) for k, h in histories.items() for m in h}
+    names = {n for _, n, _ in rows}
+    assert {"loss", "val_loss", "grad_norm", "param_norm", "tokens_per_sec", "lr", "spike_injected"} <= names
+
+    # final.safetensors: the trainer's final weights, as recorded, and it round-trips.
+    from x1_pretrain.weights import load_weights, weights_bytes
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    final = run_dir / "final.safetensors"
+    assert final.read_bytes() == (spiked_run.ckpt / "final.safetensors").read_bytes()
+    assert manifest["final_weights"]["sha256"] == sha256_file(final)
+    state, cfg, meta = load_weights(final)
+    assert weights_bytes(state, cfg, {k: v for k, v in meta.items() if k not in ("format", "model_config")}) == final.read_bytes()
+
+    # manifest.json: every field, each matching where it comes from.
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(spiked_run.uri).get_run(spiked_run.run_id).data.tags
+    loss = sorted((m.step, m.value) for m in histories["loss"])
+    val = sorted((m.step, m.value) for m in histories["val_loss"])
+    assert manifest["seed"] == 42
+    for pkg in ("torch", "flash-attn", "transformers", "numpy", "tiktoken", "mlflow"):
+        assert manifest["versions"][pkg] == tags[f"x1.version.{pkg}"], pkg
+    assert manifest["config_sha256"] == tags["x1.config_hash"]
+    assert manifest["config"]["train"]["total_steps"] == TOTAL_STEPS and manifest["config"]["model"]["d_model"] == 64
+    cluster = manifest["cluster"]
+    assert cluster["gpu_name"] == "none" and cluster["gpu_count"] == 0 and cluster["vcpus"] == os.cpu_count()
+    assert cluster["ram_gb"] > 0 and "driver" in cluster
+    assert (cluster["provider"], cluster["instance_id"], cluster["instance_type"]) == ("lambda", "inst-1", "gpu_1x_a100_sxm4")
+    assert manifest["spent_usd"] == SPENT_USD and manifest["cap_usd"] == 35.0
+    assert manifest["end"] == "finished"
+    assert manifest["steps"] == TOTAL_STEPS and manifest["tokens_seen"] == TOTAL_STEPS * TOKENS_PER_STEP
+    assert manifest["wall_hours"] == max(m.value for m in histories["wall_hours"]) > 0
+    assert (manifest["final_train_loss_step"], manifest["final_train_loss"]) == loss[-1]
+    assert (manifest["final_val_loss_step"], manifest["final_val_loss"]) == val[-1] and val[-1][0] == TOTAL_STEPS
+    assert math.isfinite(manifest["predicted_val_loss"]) and math.isfinite(manifest["planned_val_loss"]["value"])
+    assert manifest["restarts"] == 0
+    assert manifest["git_sha"] == tags["x1.git_sha"]
+    assert manifest["spikes"]["injected_at_step"] == SPIKE_AT
+    assert manifest["final_weights"]["step"] == TOTAL_STEPS
+    assert set(manifest["files"]) >= {"metrics.csv", "final.safetensors", *PNGS, "termination.json"}
+
+    assert spiked_run.run_id in (run_dir / "mlflow-run-uri.txt").read_text()
+    # The watchdog's record is copied with the provider's secret fields masked.
+    copied = (run_dir / "termination.json").read_text()
+    assert JUPYTER_TOKEN not in copied and json.loads(copied)["instance_after"]["status"] == "terminated"
+
+
+def test_export_through_a_real_mlflow_server_matches_sqlite_and_hides_credentials(spiked_run: SpikedRun,
+                                                                                   tmp_path: Path) -> None:
+    db = tmp_path / "served.db"
+    shutil.copyfile(spiked_run.db, db)
+    password = "pw-9b3e71c4"
+    with mlflow_server(db, tmp_path) as url:
+        uri = url.replace("http://", f"http://x1user:{password}@")
+        proc = run_module("x1_pretrain.export_run", "--mlflow-uri", uri, "--output", str(tmp_path / "run"),
+                          "--ckpt-dir", str(spiked_run.ckpt))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    assert (out / "metrics.csv").read_bytes() == (spiked_run.run_dir / "metrics.csv").read_bytes()
+    served, local = (json.loads((d / "manifest.json").read_text()) for d in (out, spiked_run.run_dir))
+    for key in ("seed", "versions", "config_sha256", "config", "end", "final_val_loss", "tokens_seen", "spent_usd",
+                "final_weights", "cluster", "spikes"):
+        assert served[key] == local[key], key
+    assert served["mlflow"]["tracking_uri"] == url.replace("http://", "http://***@")
+    assert (out / "mlflow-run-uri.txt").read_text().startswith(f"{url}/#/experiments/")
+    for path in out.iterdir():
+        assert password.encode() not in path.read_bytes(), path.name
+    assert password not in proc.stdout + proc.stderr
+
+
+def test_a_run_stopped_early_exports_its_newest_verified_checkpoint(spiked_run: SpikedRun, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path / "stopped.db"
+    shutil.copyfile(spiked_run.db, db)
+    MlflowClient(f"sqlite:///{db}").set_tag(spiked_run.run_id, "x1.end", "budget-stop")
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(spiked_run.ckpt, ckpt)
+    (ckpt / "final.safetensors").unlink()
+    newest, older = sorted(ckpt.glob("step_*"))[-1], sorted(ckpt.glob("step_*"))[-2]
+    flip_byte(newest / "model.safetensors")  # bit rot: the newest no longer matches its recorded sha256
+
+    assert export_main("--mlflow-uri", f"sqlite:///{db}", "--output", str(tmp_path / "run"), "--ckpt-dir", str(ckpt)) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert (tmp_path / "run" / "final.safetensors").read_bytes() == (older / "model.safetensors").read_bytes()
+    assert manifest["end"] == "budget-stop"
+    assert manifest["final_weights"]["step"] == int(older.name.split("_")[1])
+    why = manifest["final_weights"]["why"]
+    assert "budget-stop" in why and older.name in why and f"skipped {newest.name}" in why
+
+
+def test_after_a_resume_the_value_logged_last_survives(spiked_run: SpikedRun, tmp_path: Path) -> None:
+    # A first process logs steps 5..20 and dies after 20; its checkpoint was at 10. The resumed
+    # process logs `restart` at 10, then 15 and 20 again with its own values, later in time.
+    first = [("loss", 9.0, 1_000, 5), ("loss", 8.0, 2_000, 10), ("loss", 7.5, 3_000, 15), ("loss", 7.0, 4_000, 20)]
+    resumed = [("restart", 1.0, 9_000, 10), ("loss", 7.4, 10_000, 15), ("loss", 6.9, 11_000, 20), ("loss", 6.5, 12_000, 25)]
+    uri = f"sqlite:///{tmp_path / 'resumed.db'}"
+    new_run(uri, spiked_run, first + resumed)
+
+    assert export_main("--mlflow-uri", uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(spiked_run.ckpt)) == 0
+    rows = read_csv_rows(tmp_path / "run" / "metrics.csv")
+    assert [(s, v) for s, n, v in rows if n == "loss"] == [(5, 9.0), (10, 8.0), (15, 7.4), (20, 6.9), (25, 6.5)]
+    assert [(s, n, v) for s, n, v in rows if n == "restart"] == [(10, "restart", 1.0)]
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["restarts"] == 1 and manifest["final_train_loss"] == 6.5
+
+
+def test_restarts_come_from_the_watchdog_events_when_given(spiked_run: SpikedRun, tmp_path: Path) -> None:
+    events = tmp_path / "watchdog-events.jsonl"
+    lines = [{"event": "start"}, {"event": "exit", "exit_code": -9}, {"event": "relaunch", "exit_code": -9},
+             {"event": "start"}, {"event": "exit", "exit_code": 75}, {"event": "relaunch", "exit_code": 75},
+             {"event": "start"}, {"event": "exit", "exit_code": 0}]
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert export_main("--mlflow-uri", spiked_run.uri, "--output", str(tmp_path / "run"), "--events-file", str(events)) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["restarts"] == 2 and str(events) in manifest["restarts_source"]
+
+
+def test_a_missing_budget_file_gives_null_spend_with_its_reason(spiked_run: SpikedRun, tmp_path: Path) -> None:
+    ckpt = tmp_path / "elsewhere" / "checkpoints"  # no budget.json beside it
+    shutil.copytree(spiked_run.ckpt, ckpt)
+    assert export_main("--mlflow-uri", spiked_run.uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(ckpt)) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["spent_usd"] is None and "no budget file" in manifest["spent_usd_reason"]
+    assert manifest["termination"] is None and not (tmp_path / "run" / "budget.json").exists()
+
+
+def test_force_replaces_the_export_and_keeps_the_persons_files(spiked_run: SpikedRun, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(spiked_run.run_dir, out)
+    (out / "spike-postmortem.md").write_text("# written by a person\n")
+    (out / "metrics.csv").write_text("stale\n")
+    assert export_main("--mlflow-uri", spiked_run.uri, "--output", str(out), "--force") == 0
+    assert (out / "spike-postmortem.md").read_text() == "# written by a person\n"
+    assert (out / "metrics.csv").read_bytes() == (spiked_run.run_dir / "metrics.csv").read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temp or replaced folder left behind
+
+
+def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(spiked_run: SpikedRun, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from mlflow.tracking import MlflowClient
+    from x1_pretrain import export_run
+
+    monkeypatch.setattr(export_run, "CONNECT_DELAYS_S", (0.2,))
+    empty_db = tmp_path / "empty.db"
+    MlflowClient(f"sqlite:///{empty_db}").create_experiment("x1-pretraining")
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    cases = [
+        (["--mlflow-uri", spiked_run.uri, "--run-id", "0123456789abcdef"], "no run with id '0123456789abcdef'"),
+        (["--mlflow-uri", f"sqlite:///{tmp_path / 'missing.db'}"], f"no MLflow database at {tmp_path / 'missing.db'}"),
+        (["--mlflow-uri", f"sqlite:///{empty_db}"], "no runs in any experiment"),
+        (["--mlflow-uri", f"http://127.0.0.1:{free_port()}"], "cannot read the MLflow tracking store"),
+        (["--mlflow-uri", spiked_run.uri, "--ckpt-dir", str(tmp_path / "no-weights")], "no weights in"),
+        (["--mlflow-uri", spiked_run.uri, "--ckpt-dir", str(tmp_path / "nowhere")], "does not exist"),
+        (["--mlflow-uri", spiked_run.uri, "--budget-file", str(tmp_path / "nope.json")], "--budget-file"),
+    ]
+    for args, message in cases:
+        assert export_main(*args, "--output", str(tmp_path / "out")) == 2, args
+        err = capsys.readouterr().err
+        assert message in err, (args, err)
+        assert not (tmp_path / "out").exists(), args
+    assert not (tmp_path / "missing.db").exists()  # MLflow would have created an empty store there
+    assert export_main("--mlflow-uri", spiked_run.uri, "--output", str(tmp_path / "full")) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+    proc = run_module("x1_pretrain.export_run", "--mlflow-uri", spiked_run.uri, "--run-id", "feedface",
+                      "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "no run with id 'feedface'" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_day_of_metrics_exports_in_seconds(spiked_run: SpikedRun, tmp_path: Path) -> None:
+    # 84,000 steps logged every 10: 8,400 log steps x 10 metrics = 84k points.
+    names = ["loss", "lr", "grad_norm", "param_norm", "tokens_per_sec", "mfu", "tokens_seen", "wall_hours", "clipped",
+             "spent_usd"]
+    metrics = [(n, 3.3 + 7 * math.exp(-s / 20_000) if n == "loss" else s / 1000, s * 1000, s)
+               for s in range(10, 84_001, 10) for n in names]
+    uri = f"sqlite:///{tmp_path / 'day.db'}"
+    new_run(uri, spiked_run, metrics)
+    t = time.perf_counter()
+    assert export_main("--mlflow-uri", uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(spiked_run.ckpt)) == 0
+    seconds = time.perf_counter() - t
+    rows = read_csv_rows(tmp_path / "run" / "metrics.csv")
+    assert len(rows) == len(metrics)
+    assert seconds < 20, f"export of 84k points took {seconds:.1f} s"  # ~4 s on 2 busy cores

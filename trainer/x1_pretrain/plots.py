@@ -1,0 +1,228 @@
+"""The run folder's figures: loss curve, grad/param norm, throughput, and a spike's close-up.
+
+Used by `export_run` and `postmortem`. Every function takes plain (step, value) series, draws
+with matplotlib's Agg backend (no display needed on a GPU host) and writes one PNG atomically,
+so a figure in the run folder is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: a headless host has no display
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from x1_common.fsutil import write_bytes_atomic  # noqa: E402
+
+Series = Sequence[tuple[int, float]]  # (step, value), ascending steps
+
+DPI = 110
+
+
+@dataclass(frozen=True)
+class SeedPoint:
+    """One row of the seed's "expected loss curve" table (50M config, 1x A100, ~24 h)."""
+
+    hour: float
+    step: int
+    tokens: float
+    train_loss: float
+    val_loss: float | None
+
+
+SEED_EXPECTED = (
+    SeedPoint(0, 0, 0.0, 10.8, None),
+    SeedPoint(1, 3_500, 1.8e9, 5.1, 5.2),
+    SeedPoint(6, 21_000, 11e9, 3.9, 3.95),
+    SeedPoint(12, 42_000, 21e9, 3.5, 3.55),
+    SeedPoint(18, 63_000, 32e9, 3.4, 3.42),
+    SeedPoint(24, 84_000, 43e9, 3.32, 3.35),
+)
+
+
+def _save(fig: plt.Figure, path: str | os.PathLike[str]) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    write_bytes_atomic(path, buf.getvalue(), durable=False)
+
+
+def _xy(series: Series) -> tuple[list[int], list[float]]:
+    return [s for s, _ in series], [v for _, v in series]
+
+
+def _shade_window(ax: plt.Axes, window: tuple[int, int] | None, label: str | None) -> None:
+    if window is not None:
+        ax.axvspan(window[0] - 0.5, window[1] + 0.5, color="tab:orange", alpha=0.18, label=label, lw=0)
+
+
+def loss_curve(
+    path: str | os.PathLike[str],
+    train: Series,
+    val: Series,
+    *,
+    band: tuple[float, float],
+    predicted: float | None,
+    title: str,
+    injection: tuple[int, int] | None = None,
+) -> None:
+    """Train and val loss vs step, the seed's expected points where the steps overlap, and the
+    definition-of-done band shaded."""
+    fig, ax = plt.subplots(figsize=(9, 5))
+    if train:
+        ax.plot(*_xy(train), color="tab:blue", lw=1.2, label="train loss")
+    if val:
+        ax.plot(*_xy(val), "o-", color="tab:green", ms=4, lw=1.2, label="val loss")
+    last_step = max([s for s, _ in train] + [s for s, _ in val] + [0])
+    seed = [p for p in SEED_EXPECTED if p.step <= last_step]
+    if seed:
+        # The seed's table is for the 50M run: on a short or tiny run only its first rows overlap.
+        ax.plot([p.step for p in seed], [p.train_loss for p in seed], "x", color="black", ms=8, mew=2,
+                label="seed's expectation for the 50M run: train")
+        seed_val = [p for p in seed if p.val_loss is not None]
+        if seed_val:
+            ax.plot([p.step for p in seed_val], [p.val_loss for p in seed_val], "o", mfc="none", color="black",
+                    ms=8, label="seed's expectation for the 50M run: val")
+    ax.axhspan(band[0], band[1], color="tab:green", alpha=0.12, lw=0,
+               label=f"final val loss band [{band[0]:.2f}, {band[1]:.2f}]")
+    if predicted is not None:
+        label = f"Chinchilla fit at the run's tokens: {predicted:.2f} (other corpus and tokenizer)"
+        top = max([v for _, v in train] + [v for _, v in val] + [band[1]])
+        if predicted <= 1.2 * top:
+            ax.axhline(predicted, color="tab:purple", ls="--", lw=1, label=label)
+        else:  # a tiny run's prediction is far above its curve: say it, do not squash the curve for it
+            ax.plot([], [], " ", label=label + ", off the chart")
+    _shade_window(ax, injection, "injected spike")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def gradnorm_curve(
+    path: str | os.PathLike[str],
+    grad_norm: Series,
+    param_norm: Series,
+    *,
+    clip: float | None,
+    title: str,
+    injection: tuple[int, int] | None = None,
+) -> None:
+    """Grad norm (before clipping, log scale, the clip threshold drawn) above param norm."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    if grad_norm:
+        top.plot(*_xy(grad_norm), color="tab:red", lw=1)
+        if all(v > 0 for _, v in grad_norm):
+            top.set_yscale("log")  # a spike can be 100x the usual norm
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            top.yaxis.set_major_formatter(plain)
+            top.yaxis.set_minor_formatter(plain)
+    if clip is not None:
+        top.axhline(clip, color="black", ls="--", lw=1, label=f"clip threshold {clip:g}")
+        top.legend(fontsize=8)
+    _shade_window(top, injection, None)
+    top.set_ylabel("grad norm (before clip)")
+    top.grid(alpha=0.3)
+    top.set_title(title)
+    if param_norm:
+        bottom.plot(*_xy(param_norm), color="tab:blue", lw=1)
+    _shade_window(bottom, injection, None)
+    bottom.set_ylabel("param norm")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    _save(fig, path)
+
+
+def throughput_curve(
+    path: str | os.PathLike[str],
+    points: Sequence[tuple[float, float]],
+    *,
+    restarts_at_hours: Sequence[float],
+    mfu: Sequence[tuple[float, float]] = (),
+    title: str,
+) -> None:
+    """Tokens/s against training wall-clock hours; a dashed line where the trainer restarted."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    if points:
+        ax.plot([h for h, _ in points], [v for _, v in points], color="tab:blue", lw=1, label="tokens/s")
+    for i, h in enumerate(restarts_at_hours):
+        ax.axvline(h, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
+    ax.set_xlabel("training wall-clock hours")
+    ax.set_ylabel("tokens/s")
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    if any(v > 0 for _, v in mfu):  # on CPU the MFU is 0: no second axis for a flat line
+        right = ax.twinx()
+        right.plot([h for h, _ in mfu], [v for _, v in mfu], color="tab:gray", lw=0.8, alpha=0.7, label="MFU")
+        right.set_ylabel("MFU")
+        h2, l2 = right.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    if handles:
+        ax.legend(handles, labels, fontsize=8)
+    _save(fig, path)
+
+
+def spike_zoom(
+    path: str | os.PathLike[str],
+    *,
+    loss: Series,
+    ema: Series,
+    grad_norm: Series,
+    val: Series,
+    window: tuple[int, int],
+    injection: tuple[int, int] | None,
+    detected: Sequence[int],
+    recovery_line: float | None,
+    recovered_at: int | None,
+    clip: float | None,
+    clipped_steps: Sequence[int],
+    title: str,
+) -> None:
+    """Loss (with the EMA the recovery is measured on) and grad norm around one spike."""
+    lo, hi = window
+
+    def inside(series: Series) -> Series:
+        return [(s, v) for s, v in series if lo <= s <= hi]
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    if inside(loss):
+        top.plot(*_xy(inside(loss)), "o-", color="tab:blue", ms=3, lw=1, label="train loss (logged steps)")
+    if inside(ema):
+        top.plot(*_xy(inside(ema)), color="tab:purple", lw=1.2, label="loss EMA")
+    if inside(val):
+        top.plot(*_xy(inside(val)), "s", color="tab:green", ms=5, label="val loss")
+    if recovery_line is not None:
+        top.axhline(recovery_line, color="tab:purple", ls=":", lw=1, label="pre-spike EMA + 2%")
+    if recovered_at is not None:
+        top.axvline(recovered_at, color="tab:green", ls="--", lw=1, label=f"recovered (step {recovered_at})")
+    for i, s in enumerate(detected):
+        top.axvline(s, color="tab:red", lw=0.8, alpha=0.6, label="detector flag" if i == 0 else None)
+    _shade_window(top, injection, "injected batches")
+    top.set_ylabel("loss (nats/token)")
+    top.set_title(title)
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8)
+    if inside(grad_norm):
+        bottom.plot(*_xy(inside(grad_norm)), "o-", color="tab:red", ms=3, lw=1, label="grad norm (before clip)")
+    clipped = [(s, v) for s, v in inside(grad_norm) if s in set(clipped_steps)]
+    if clipped:
+        bottom.plot(*_xy(clipped), "o", mfc="none", mec="black", ms=7, label="clipped")
+    if clip is not None:
+        bottom.axhline(clip, color="black", ls="--", lw=1, label=f"clip threshold {clip:g}")
+    _shade_window(bottom, injection, None)
+    bottom.set_ylabel("grad norm")
+    bottom.set_xlabel("step")
+    bottom.set_xlim(lo - 0.5, hi + 0.5)
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=8)
+    _save(fig, path)

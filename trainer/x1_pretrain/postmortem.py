@@ -1,0 +1,339 @@
+"""`python -m x1_pretrain.postmortem --mlflow-uri U --output RUN_DIR/spike-postmortem.md`: a draft.
+
+For every injected or detected loss spike of the run: its steps, the loss before / at its peak /
+after, the grad norm and whether clipping fired, the learning rate, and how many steps the loss
+EMA took to come back within 2% of its pre-spike value; a zoomed plot of each spike sits next to
+the file. The numbers are measured. The Cause, Response and Lessons sections are prompts marked
+`TODO(person)` for the person who ran it: this tool never writes a cause it cannot know.
+
+Steps are MLflow's: they count completed optimizer steps, so the batches of step N (the seed's
+`--inject-spike-at-step N`) are logged at MLflow step N+1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from x1_common.contracts import ExitCode, format_utc, utc_now
+from x1_common.fsutil import write_text_atomic
+from x1_pretrain.export_run import ExportError, RunRecord, Series, load_run, safe_uri
+
+RECOVERY_TOLERANCE = 0.02  # "back within 2% of the pre-spike EMA"
+MAX_PLOTS = 20  # a run that flags dozens of spikes gets the first ones drawn, and says so
+DEFAULTS = {"train.spike_ema_beta": 0.98, "train.spike_factor": 1.5, "train.log_every": 10.0, "optim.grad_clip": 1.0}
+
+
+def loss_ema(loss: Series, beta: float) -> Series:
+    """The EMA of the logged losses, each standing for the steps since the previous log
+    (weight beta**gap), so its time constant in steps is the trainer detector's. Unlike the
+    detector's EMA it takes the spike's own values in: it measures how long a spike weighs on
+    the smoothed loss."""
+    out: Series = []
+    ema, prev = None, None
+    for step, value in loss:
+        if not math.isfinite(value):
+            continue
+        if ema is None or prev is None:
+            ema = value
+        else:
+            w = beta ** max(step - prev, 1)
+            ema = w * ema + (1 - w) * value
+        out.append((step, ema))
+        prev = step
+    return out
+
+
+@dataclass
+class Spike:
+    start: int  # first flagged MLflow step
+    end: int  # last flagged MLflow step
+    injected: list[int]
+    detected: list[int]
+
+
+def group_spikes(injected: list[int], detected: list[int], gap: int) -> list[Spike]:
+    """Flags closer than `gap` steps belong to one spike (an injection spans 5 steps; the
+    detector may flag several of them)."""
+    spikes: list[Spike] = []
+    for step in sorted(set(injected) | set(detected)):
+        if spikes and step - spikes[-1].end <= gap:
+            spikes[-1].end = step
+        else:
+            spikes.append(Spike(step, step, [], []))
+        (spikes[-1].injected if step in injected else spikes[-1].detected).append(step)
+        if step in injected and step in detected:
+            spikes[-1].detected.append(step)
+    return spikes
+
+
+@dataclass
+class SpikeFacts:
+    spike: Spike
+    covering: list[int]  # logged steps that fall in the spike (up to the first log at or after its end)
+    loss_before: tuple[int, float] | None
+    peak: tuple[int, float] | None
+    loss_after: tuple[int, float] | None
+    grad_peak: tuple[int, float] | None
+    clipped_at: list[int]
+    lr: tuple[int, float] | None
+    ema_before: tuple[int, float] | None
+    recovered_at: int | None
+    recovery_steps: int | None
+    val_before: tuple[int, float] | None
+    val_after: tuple[int, float] | None
+
+
+def _before(series: Series, step: int) -> tuple[int, float] | None:
+    earlier = [(s, v) for s, v in series if s < step]
+    return earlier[-1] if earlier else None
+
+
+def analyse(spike: Spike, record: RunRecord, beta: float) -> SpikeFacts:
+    loss = record.get("loss")
+    logged = [s for s, _ in loss]
+    first_after_end = next((s for s in logged if s >= spike.end), None)
+    last = first_after_end if first_after_end is not None else spike.end
+    covering = [s for s in logged if spike.start <= s <= last]
+    in_spike = [(s, v) for s, v in loss if s in covering and math.isfinite(v)]
+    peak = max(in_spike, key=lambda p: p[1]) if in_spike else None
+    after_from = max(covering) if covering else spike.end
+    loss_after = next(((s, v) for s, v in loss if s > after_from), None)
+    grads = [(s, v) for s, v in record.get("grad_norm") if s in covering]
+    ema = loss_ema(loss, beta)
+    ema_before = _before(ema, spike.start)
+    recovered_at = None
+    if ema_before is not None:
+        line = ema_before[1] * (1 + RECOVERY_TOLERANCE)
+        recovered_at = next((s for s, v in ema if s >= last and v <= line), None)
+    lr_points = [(s, v) for s, v in record.get("lr") if s in covering] or [p for p in [_before(record.get("lr"), spike.start)] if p]
+    val = record.get("val_loss")
+    return SpikeFacts(
+        spike=spike,
+        covering=covering,
+        loss_before=_before(loss, spike.start),
+        peak=peak,
+        loss_after=loss_after,
+        grad_peak=max(grads, key=lambda p: p[1]) if grads else None,
+        clipped_at=[s for s, v in record.get("clipped") if s in covering and v >= 0.5],
+        lr=lr_points[0] if lr_points else None,
+        ema_before=ema_before,
+        recovered_at=recovered_at,
+        recovery_steps=None if recovered_at is None else recovered_at - spike.start + 1,
+        val_before=_before(val, spike.start),
+        val_after=next(((s, v) for s, v in val if s > after_from), None),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The document
+
+
+def _at(point: tuple[int, float] | None, fmt: str = ".4f") -> str:
+    return "not logged" if point is None else f"{point[1]:{fmt}} (step {point[0]})"
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps) if steps else "none"
+
+
+def spike_section(n: int, f: SpikeFacts, clip: float, log_every: int, plot: str | None) -> list[str]:
+    s = f.spike
+    if s.injected:
+        title = f"Spike {n}: injected at step {s.injected[0] - 1} (MLflow steps {s.injected[0]}–{s.injected[-1]})"
+        kind = (f"injected: rare-token batches replaced steps {s.injected[0] - 1}..{s.injected[-1] - 1}; the detector "
+                f"flagged MLflow step(s) {_steps(s.detected)}")
+    else:
+        title = f"Spike {n}: detected at step {s.start}" + (f"–{s.end}" if s.end != s.start else "")
+        kind = f"detected (not injected): the detector flagged MLflow step(s) {_steps(s.detected)}"
+    if f.ema_before is None:
+        recovery = "cannot be measured: no loss was logged before the spike"
+    elif f.recovered_at is None:
+        recovery = (f"not recovered within the logged steps: the EMA stayed above {f.ema_before[1]:.4f} + 2% "
+                    f"up to the last logged step")
+    else:
+        recovery = (f"{f.recovery_steps} steps: the loss EMA was back within 2% of {f.ema_before[1]:.4f} at step "
+                    f"{f.recovered_at}")
+    grad = ("not logged" if f.grad_peak is None else
+            f"{f.grad_peak[1]:.4g} at step {f.grad_peak[0]}, before clipping (threshold {clip:g})")
+    clipped = (f"yes: clipped at logged step(s) {_steps(f.clipped_at)}" if f.clipped_at else
+               f"no: no logged step in the spike had a grad norm over {clip:g}" if f.covering else "not logged")
+    lines = [
+        f"## {title}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| kind | {kind} |",
+        f"| loss before | {_at(f.loss_before)} |",
+        f"| peak loss | {_at(f.peak)} |",
+        f"| loss after | {_at(f.loss_after)} |",
+        f"| grad norm | {grad} |",
+        f"| clipping fired | {clipped} |",
+        f"| learning rate | {_at(f.lr, '.3e')} |",
+        f"| loss EMA before | {_at(f.ema_before)} |",
+        f"| recovery | {recovery} |",
+        f"| val loss | {_at(f.val_before)} before, {_at(f.val_after)} after |",
+        "",
+    ]
+    if plot:
+        lines += [f"![loss and grad norm around step {s.start}]({plot})", ""]
+    lines += [
+        f"Losses are MLflow's logged values, one every {log_every} steps: a flagged step between two logs shows "
+        "only in the trainer's log line, and the recovery count has that resolution.",
+        "",
+    ]
+    return lines
+
+
+def prompts(beta2: str) -> list[str]:
+    """The person's sections: prompts only, never content."""
+    return [
+        "## Cause",
+        "",
+        "> TODO(person): what made the loss jump? For an injected spike: does the jump look like what rare-token "
+        "batches should do? For a natural one: look at the data windows of those steps, the learning rate and the "
+        "grad norm before it. Write what you checked, not only what you believe.",
+        "",
+        "## Response",
+        "",
+        f"> TODO(person): what did the run do by itself (gradient clipping, AdamW β2 = {beta2}) and what did you "
+        "do (nothing, a restart from a checkpoint, a lower learning rate)? Was it enough, and how do the numbers "
+        "above show it?",
+        "",
+        "## Lessons",
+        "",
+        "> TODO(person): what would you change before the next run (detector threshold, clip, learning rate, data "
+        "filtering), and what did the spike cost in steps, hours and dollars?",
+        "",
+    ]
+
+
+def _param(record: RunRecord, key: str, notes: list[str]) -> float:
+    try:
+        return float(record.params[key])
+    except (KeyError, ValueError):
+        notes.append(f"MLflow params lack {key}: assumed {DEFAULTS[key]:g}")
+        return DEFAULTS[key]
+
+
+def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
+    """The markdown text and the plots written beside it."""
+    from x1_pretrain import plots
+
+    notes: list[str] = []
+    beta = _param(record, "train.spike_ema_beta", notes)
+    factor = _param(record, "train.spike_factor", notes)
+    log_every = int(_param(record, "train.log_every", notes))
+    clip = _param(record, "optim.grad_clip", notes)
+    injected, detected = record.flagged("spike_injected"), record.flagged("spike")
+    skipped = record.flagged("spike_injection_skipped")
+    spikes = group_spikes(injected, detected, gap=max(5, log_every))
+    note = record.tags.get("x1.spike_injection")
+
+    if injected:
+        injection = (f"`--inject-spike-at-step {injected[0] - 1}`: rare-token batches replaced steps "
+                     f"{injected[0] - 1}..{injected[-1] - 1} (MLflow steps {injected[0]}–{injected[-1]}).")
+    elif skipped:
+        injection = (f"the injection at step {skipped[0]} was **skipped**: a natural spike came first, and this "
+                     f"post-mortem is about it. The trainer said: \"{note or 'injection skipped'}\"")
+    else:
+        injection = "none (the run had no `--inject-spike-at-step`)."
+    total = record.params.get("train.total_steps", "?")
+    lines = [
+        f"# Spike post-mortem: {record.run_name or record.run_id}",
+        "",
+        f"> Draft written by `python -m x1_pretrain.postmortem` on {format_utc(utc_now())} from MLflow run "
+        f"`{record.run_id}` ({safe_uri(record.uri)}). The numbers are measured; the sections **Cause**, "
+        "**Response** and **Lessons** are for the person who ran it: every `TODO(person)` is a prompt, not a finding.",
+        "",
+        f"- Run: config {record.tags.get('x1.config_name', record.params.get('name', '?'))}, {total} steps planned, "
+        f"{record.last_step} logged, metrics every {log_every} steps, grad clip {clip:g}.",
+        f"- Detector: a loss over {factor:g} × its EMA (β {beta:g}) after 20 steps of history is logged as `spike`.",
+        f"- Injection: {injection}",
+        "- Steps are MLflow's: they count completed steps, so the batches of step N are logged at step N+1.",
+        f"- Recovery: steps from the spike's first step until the loss EMA (rebuilt from the logged losses with "
+        f"β {beta:g}, spike values included) is back within 2% of its value just before the spike.",
+        *[f"- Note: {n}" for n in notes],
+        "",
+    ]
+    written: list[Path] = []
+    if not spikes:
+        lines += [
+            "## No spike was seen",
+            "",
+            "The detector flagged no step and no injected batch ran in this run: there is no spike to take apart. "
+            + ("The injection was skipped (see above), yet no spike was logged: check the trainer's log. "
+               if skipped else "")
+            + "This file still answers check 5 of the definition of done; say below whether that was expected.",
+            "",
+        ]
+    loss = record.get("loss")
+    first, last_step = (loss[0][0], loss[-1][0]) if loss else (0, record.last_step)
+    for n, spike in enumerate(spikes, 1):
+        facts = analyse(spike, record, beta)
+        plot_name = None
+        if n <= MAX_PLOTS:
+            plot_path = output.with_name(f"{output.stem}-step-{spike.start}.png")
+            margin = 10 * log_every
+            right = max(spike.end, facts.recovered_at or spike.end) + margin
+            line = None if facts.ema_before is None else facts.ema_before[1] * (1 + RECOVERY_TOLERANCE)
+            plots.spike_zoom(
+                plot_path, loss=loss, ema=loss_ema(loss, beta), grad_norm=record.get("grad_norm"),
+                val=record.get("val_loss"), window=(max(first, spike.start - margin), min(last_step, right)),
+                injection=(spike.injected[0], spike.injected[-1]) if spike.injected else None,
+                detected=spike.detected, recovery_line=line, recovered_at=facts.recovered_at, clip=clip,
+                clipped_steps=facts.clipped_at, title=f"{record.run_name or record.run_id[:8]}: spike at step {spike.start}",
+            )
+            written.append(plot_path)
+            plot_name = plot_path.name
+        lines += spike_section(n, facts, clip, log_every, plot_name)
+    if len(spikes) > MAX_PLOTS:
+        lines += [f"Only the first {MAX_PLOTS} of {len(spikes)} spikes have a plot.", ""]
+    lines += prompts(record.params.get("optim.beta2", "?"))
+    return "\n".join(lines), written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m x1_pretrain.postmortem",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n", 1)[1],
+        epilog="Exit codes: 0 written; 2 bad input (no such run, tracking store unreachable, output exists "
+               "without --force).",
+    )
+    p.add_argument("--mlflow-uri", required=True, help="tracking URI: sqlite:///..., http://host:5000 or file:///...")
+    p.add_argument("--run-id", help="MLflow run id (default: the newest run the trainer logged)")
+    p.add_argument("--experiment", help="look for the newest run only in this experiment (default: all)")
+    p.add_argument("--output", required=True, metavar="FILE",
+                   help="the markdown file, e.g. RUN_DIR/spike-postmortem.md; plots go beside it")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing post-mortem (it may hold what a person wrote: off by default)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    output = Path(args.output)
+    try:
+        if output.exists() and not args.force:
+            raise ExportError(f"--output {output} exists (it may hold what a person wrote): pass --force to replace it")
+        if output.suffix.lower() != ".md":
+            raise ExportError(f"--output {output}: expected a .md file")
+        if not output.parent.is_dir():
+            raise ExportError(f"--output {output}: folder {output.parent} does not exist (run export_run first)")
+        record = load_run(args.mlflow_uri, args.run_id, args.experiment)
+    except ExportError as e:
+        print(f"postmortem: error: {e}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    text, plots_written = write_postmortem(record, output)
+    write_text_atomic(output, text)  # after the plots: the file never points at a missing picture
+    print(f"wrote {output}" + (f" and {', '.join(p.name for p in plots_written)}" if plots_written else "")
+          + ": fill in the TODO(person) prompts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
