@@ -473,7 +473,9 @@ class Stack:
         return f"http://127.0.0.1:{self.ports.mlflow}"
 
     def start_watchdog(self, plan: BillingPlan, trainer_argv: list[str], terminate_on_finish: bool = True,
-                       stall_seconds: float = 120.0) -> Service:
+                       stall_seconds: float = 120.0, trainer_threads: int | None = None) -> Service:
+        """The watchdog in process mode with the trainer as its child (which inherits its environment:
+        `trainer_threads` sets the trainer's OMP_NUM_THREADS)."""
         ws = self.ws
         argv = [
             sys.executable, "-m", "x1_watchdog", "--mode", "process",
@@ -486,7 +488,10 @@ class Stack:
         if terminate_on_finish:
             argv += ["--terminate-on-finish", "--provider", plan.provider, "--api-url", self.fake_billing_url,
                      "--instance-id", plan.instance_id, "--termination-file", str(ws.termination_file)]
-        return self.start("watchdog", [*argv, "--", *trainer_argv], env=self.env(**self.provider_key_env(plan)),
+        env = self.env(**self.provider_key_env(plan))
+        if trainer_threads is not None:
+            env["OMP_NUM_THREADS"] = str(trainer_threads)
+        return self.start("watchdog", [*argv, "--", *trainer_argv], env=env,
                           url=f"http://127.0.0.1:{self.ports.watchdog}", health_path="/metrics")
 
     def run_step(self, name: str, argv: list[str], timeout: float) -> int:
