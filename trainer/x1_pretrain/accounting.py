@@ -36,13 +36,13 @@ class Throughput:
     source: str  # how we know: "measured ..." or "estimate ..."
 
 
-# Tokens/s of the 50M config (micro-batch 32 x 1024) per GPU. H200: measured on the device (see
-# docs/PERFORMANCE.md for date and command). Others: the same MFU on the datasheet peak, labelled
-# as estimates. Never the seed's 500k on an A100: that would be 98% of its peak.
+# Tokens/s of the 50M config (micro-batch 32 x 1024) per GPU. H200: our trainer's step, measured
+# (docs/PERFORMANCE.md: date, command, the reference beside it). Others: the same MFU on their
+# datasheet peak, labelled as estimates. Never the seed's 500k on an A100: 98% of its peak.
 _MEASURED = {
-    "h200": Throughput(626_000.0, "measured: plain reference on one H200, 2026-12-01 (ANCHORS.md)"),
+    "h200": Throughput(760_000.0, "measured: this trainer on one H200, 2026-12-01 (docs/PERFORMANCE.md)"),
 }
-_MEASURED_MFU_DATASHEET = 0.385  # that measurement over the 989 TFLOP/s datasheet peak
+_MEASURED_MFU_DATASHEET = 0.468  # that measurement over the 989 TFLOP/s datasheet peak
 _MEASURED_FLOPS_PER_TOKEN = 609.1e6
 
 
