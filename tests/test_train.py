@@ -48,9 +48,9 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_data, reference_ru
     kills = [(12, "random"), (15, "during-checkpoint"), (32, "random")]
     for i, (after, how) in enumerate(kills):
         proc = start_trainer(args + (["--resume-from-latest"] if i else []), log)
-        wait_for(lambda: heartbeat_step(ckpt) >= after or proc.poll() is not None, timeout=180)
+        wait_for(lambda p=proc, a=after: heartbeat_step(ckpt) >= a or p.poll() is not None, timeout=180)
         if how == "during-checkpoint":  # this process's own temp folder, not one a kill left behind
-            wait_for(lambda: any(ckpt.glob(f".tmp-step_*-{proc.pid}")) or proc.poll() is not None,
+            wait_for(lambda p=proc: any(ckpt.glob(f".tmp-step_*-{p.pid}")) or p.poll() is not None,
                      timeout=120, interval=0.001)
         else:
             time.sleep(rng.uniform(0.0, 1.0))

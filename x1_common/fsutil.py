@@ -33,6 +33,9 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bo
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file 0600; these files are read by other services, which in
+        # compose may run as another user (budget.json, the heartbeat, meta.json).
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

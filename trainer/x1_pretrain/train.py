@@ -648,6 +648,9 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         # Bit-exact CPU resumes need the same reductions run to run.
         torch.use_deterministic_algorithms(True, warn_only=True)
 
+    if d.is_main:  # rank 0 checks the token ids once (cached); the others then find the verdict
+        data_mod.open_token_data(cfg.data.dir, cfg.model.vocab_size)
+    D.barrier(d)
     tokens = data_mod.open_token_data(cfg.data.dir, cfg.model.vocab_size)
     val = data_mod.val_windows(tokens.val, cfg.model.seq_len, cfg.train.eval_windows, cfg.train.seed)
 
