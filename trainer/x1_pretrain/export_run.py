@@ -226,7 +226,7 @@ def load_run(uri: str, run_id: str | None = None, experiment: str | None = None)
         start_ms=run.info.start_time,
         end_ms=run.info.end_time,
         params=dict(run.data.params),
-        tags={k: v for k, v in run.data.tags.items()},
+        tags=dict(run.data.tags),
         series={k: surviving(h) for k, h in histories.items()},
         logged={k: len(h) for k, h in histories.items()},
     )
@@ -614,21 +614,20 @@ def locate_inputs(args: argparse.Namespace, record: RunRecord) -> Inputs:
     )
 
 
-def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any]], weights: WeightsChoice,
-                   weights_sha: str, weights_bytes: int, band: tuple[float, float]) -> dict[str, Any]:
-    """The manifest, less its `files` section."""
-    from x1_pretrain.config import ConfigError
-    from x1_pretrain.weights import load_weights, read_metadata
+def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any]], budget: dict[str, Any],
+                   termination: dict[str, Any] | None, weights: WeightsChoice, weights_copy: Path,
+                   band: tuple[float, float]) -> dict[str, Any]:
+    """The manifest, less its `files` section, with every secret scrubbed."""
+    from x1_pretrain.config import ConfigError, model_config_from_json
+    from x1_pretrain.weights import read_metadata
 
     end, end_detail = end_of_run(record, events)
     config = run_config(record, inputs.ckpt_dir)
-    budget = budget_facts(inputs.budget)
-    termination = termination_facts(inputs.termination)
+    meta = read_metadata(weights_copy)
     try:
-        _, model_cfg, _ = load_weights(weights.path)
-    except ConfigError as e:
-        raise ExportError(str(e)) from None
-    meta = read_metadata(weights.path)
+        model_cfg = model_config_from_json(json.dumps(meta["model_config"]))
+    except (KeyError, ConfigError) as e:
+        raise ExportError(f"{weights.path}: not an X1 weights file (no usable model config in its metadata: {e})") from None
     notes = list(config.notes)
     tag_hash = record.tags.get("x1.config_hash")
     if tag_hash and meta.get("config_hash") not in (None, tag_hash):
@@ -669,12 +668,13 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
         "final_train_loss_step": loss[0] if loss else None,
         "final_val_loss": val[1] if val else None,
         "final_val_loss_step": val[0] if val else None,
-        "val_loss_band": list(band),
+        "loss_curve_band": list(band),  # shaded on loss-curve.png; the DoD takes its band from `dod --band`
         **predictions(model_cfg, tokens_seen, config.resolved),
         **restart_count(record, events, inputs.events),
         "spikes": spike_summary(record),
-        "final_weights": {"file": "final.safetensors", "sha256": weights_sha, "bytes": weights_bytes,
-                          "source": str(weights.path), "step": weights.step, "why": weights.why},
+        "final_weights": {"file": weights_copy.name, "sha256": sha256_file(weights_copy),
+                          "bytes": weights_copy.stat().st_size, "source": str(weights.path), "step": weights.step,
+                          "why": weights.why},
         "budget": budget.get("budget"),
         "termination": termination,
         "notes": notes,
@@ -700,21 +700,20 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     record = load_run(args.mlflow_uri, args.run_id, args.experiment)
     inputs = locate_inputs(args, record)
     events = read_events(inputs.events)
+    budget = budget_facts(inputs.budget)
+    termination = termination_facts(inputs.termination)
     end, _ = end_of_run(record, events)
     weights = choose_weights(inputs.ckpt_dir, end)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        shutil.copyfile(weights.path, tmp / "final.safetensors")
-        weights_sha = sha256_file(tmp / "final.safetensors")
-        manifest = build_manifest(record, inputs, events, weights, weights_sha,
-                                  (tmp / "final.safetensors").stat().st_size, band)
+        copy_weights(weights.path, tmp / "final.safetensors")
+        manifest = build_manifest(record, inputs, events, budget, termination, weights, tmp / "final.safetensors", band)
         write_text_atomic(tmp / "metrics.csv", metrics_csv(record.series), durable=False)
         write_text_atomic(tmp / "mlflow-run-uri.txt", run_uri_text(record), durable=False)
         if inputs.budget is not None:
             _copy_json_scrubbed(inputs.budget, tmp / "budget.json")
-        termination = manifest["termination"]
         if termination is not None and termination["file"] == "termination.png":
             shutil.copyfile(inputs.termination, tmp / "termination.png")  # type: ignore[arg-type]
         elif termination is not None:
@@ -736,6 +735,24 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, manifest
+
+
+def copy_weights(src: Path, dst: Path) -> str:
+    """Copy the weights; returns the copy's sha256. A checkpoint's copy must match the sha256 its
+    completion marker recorded: a running trainer may prune that folder while we read it."""
+    from x1_pretrain.checkpoint import MARKER
+
+    try:
+        shutil.copyfile(src, dst)
+        sha = sha256_file(dst)
+        marker = src.parent / MARKER
+        expected = json.loads(marker.read_text())["files"][src.name] if marker.is_file() else sha
+    except (OSError, ValueError, KeyError) as e:
+        raise ExportError(f"{src} changed while it was copied ({e}): is the trainer still running? Export again") from None
+    if sha != expected:
+        raise ExportError(f"{src} changed while it was copied (sha256 {sha[:12]}, its marker says {expected[:12]}): "
+                          "is the trainer still running? Export again")
+    return sha
 
 
 def _copy_json_scrubbed(src: Path, dst: Path) -> None:

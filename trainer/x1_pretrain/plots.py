@@ -214,7 +214,8 @@ def spike_zoom(
     top.legend(fontsize=8)
     if inside(grad_norm):
         bottom.plot(*_xy(inside(grad_norm)), "o-", color="tab:red", ms=3, lw=1, label="grad norm (before clip)")
-    clipped = [(s, v) for s, v in inside(grad_norm) if s in set(clipped_steps)]
+    clipped_set = set(clipped_steps)
+    clipped = [(s, v) for s, v in inside(grad_norm) if s in clipped_set]
     if clipped:
         bottom.plot(*_xy(clipped), "o", mfc="none", mec="black", ms=7, label="clipped")
     if clip is not None:

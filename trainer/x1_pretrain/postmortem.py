@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,7 @@ def analyse(spike: Spike, record: RunRecord, beta: float) -> SpikeFacts:
     if ema_before is not None:
         line = ema_before[1] * (1 + RECOVERY_TOLERANCE)
         recovered_at = next((s for s, v in ema if s >= last and v <= line), None)
-    lr_points = [(s, v) for s, v in record.get("lr") if s in covering] or [p for p in [_before(record.get("lr"), spike.start)] if p]
+    lr_in_spike = [(s, v) for s, v in record.get("lr") if s in covering]
     val = record.get("val_loss")
     return SpikeFacts(
         spike=spike,
@@ -119,7 +120,7 @@ def analyse(spike: Spike, record: RunRecord, beta: float) -> SpikeFacts:
         loss_after=loss_after,
         grad_peak=max(grads, key=lambda p: p[1]) if grads else None,
         clipped_at=[s for s, v in record.get("clipped") if s in covering and v >= 0.5],
-        lr=lr_points[0] if lr_points else None,
+        lr=lr_in_spike[0] if lr_in_spike else _before(record.get("lr"), spike.start),
         ema_before=ema_before,
         recovered_at=recovered_at,
         recovery_steps=None if recovered_at is None else recovered_at - spike.start + 1,
@@ -188,26 +189,32 @@ def spike_section(n: int, f: SpikeFacts, clip: float, log_every: int, plot: str 
     return lines
 
 
-def prompts(beta2: str) -> list[str]:
+def prompts(beta2: str, any_spike: bool) -> list[str]:
     """The person's sections: prompts only, never content."""
+    if not any_spike:
+        return [
+            "## Cause", "",
+            "> TODO(person): no spike was seen. Was that expected (was an injection planned, did the detector run "
+            "with its usual threshold)? Did the loss come close anywhere?", "",
+            "## Response", "",
+            "> TODO(person): nothing to respond to, or something you did that kept the run calm (a lower learning "
+            "rate, data filtering)?", "",
+            "## Lessons", "",
+            "> TODO(person): anything to change before the next run (inject a spike to test the response, a "
+            "different detector threshold)?", "",
+        ]
     return [
-        "## Cause",
-        "",
+        "## Cause", "",
         "> TODO(person): what made the loss jump? For an injected spike: does the jump look like what rare-token "
         "batches should do? For a natural one: look at the data windows of those steps, the learning rate and the "
-        "grad norm before it. Write what you checked, not only what you believe.",
-        "",
-        "## Response",
-        "",
+        "grad norm before it. Write what you checked, not only what you believe.", "",
+        "## Response", "",
         f"> TODO(person): what did the run do by itself (gradient clipping, AdamW β2 = {beta2}) and what did you "
         "do (nothing, a restart from a checkpoint, a lower learning rate)? Was it enough, and how do the numbers "
-        "above show it?",
-        "",
-        "## Lessons",
-        "",
+        "above show it?", "",
+        "## Lessons", "",
         "> TODO(person): what would you change before the next run (detector threshold, clip, learning rate, data "
-        "filtering), and what did the spike cost in steps, hours and dollars?",
-        "",
+        "filtering), and what did the spike cost in steps, hours and dollars?", "",
     ]
 
 
@@ -292,7 +299,7 @@ def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
         lines += spike_section(n, facts, clip, log_every, plot_name)
     if len(spikes) > MAX_PLOTS:
         lines += [f"Only the first {MAX_PLOTS} of {len(spikes)} spikes have a plot.", ""]
-    lines += prompts(record.params.get("optim.beta2", "?"))
+    lines += prompts(record.params.get("optim.beta2", "?"), bool(spikes))
     return "\n".join(lines), written
 
 
@@ -330,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.USAGE)
     text, plots_written = write_postmortem(record, output)
     write_text_atomic(output, text)  # after the plots: the file never points at a missing picture
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (output, *plots_written):
+        os.chmod(path, 0o666 & ~umask)  # atomic writes start private; these are for reading
     print(f"wrote {output}" + (f" and {', '.join(p.name for p in plots_written)}" if plots_written else "")
           + ": fill in the TODO(person) prompts")
     return 0
