@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env
 
+from conftest import REPO, cli_env
 from x1_common.contracts import SIDECAR_PORT
 
 pytestmark = pytest.mark.slow
@@ -137,12 +138,16 @@ def test_demo_runs_the_stack_through_a_preemption_and_passes_every_dod_check(tmp
     assert not leaks, leaks
 
 
-def test_ctrl_c_stops_every_process_the_demo_started_and_a_busy_port_is_reported(tmp_path, tiny_data):
+def test_a_rerun_starts_clean_reports_a_busy_port_and_ctrl_c_stops_every_process(tmp_path, tiny_data):
     ws, out = tmp_path / "demo-workspace", tmp_path / "demo.out"
-    # A workspace whose tokens are already there (the demo reuses them): straight to the services.
+    # The workspace of an earlier run: its tokens are reused (straight to the services), the rest
+    # must go - a checkpoint left there would make the fresh trainer refuse to start (exit 2).
     (ws / "data").mkdir(parents=True)
-    subprocess.run(["cp", "-r", str(tiny_data), str(ws / "data" / "tokenized")], check=True)
+    shutil.copytree(tiny_data, ws / "data" / "tokenized")
     (ws / ".x1-demo-workspace").write_text("")
+    (ws / "checkpoints" / "step_00000999").mkdir(parents=True)
+    (ws / "logs").mkdir()
+    (ws / "logs" / "watchdog-events.jsonl").write_text('{"event": "exit", "exit_code": 0, "pid": 1}\n')
     # Every process the demo starts inherits its environment: this marker finds them all.
     marker = f"X1_DEMO_TEST_MARKER={os.getpid()}-{time.monotonic_ns()}"
     env = cli_env(**dict([marker.split("=", 1)]))
@@ -161,6 +166,8 @@ def test_ctrl_c_stops_every_process_the_demo_started_and_a_busy_port_is_reported
             assert ports["sidecar"] != SIDECAR_PORT
             assert f"port {SIDECAR_PORT} (sidecar) is busy: using {ports['sidecar']} instead" in out.read_text()
             wait_for(lambda: re.search(r"step\s+10/200\s+loss", out.read_text()), 180, "training steps", proc, out)
+            assert "data: reusing" in out.read_text()
+            assert not (ws / "checkpoints" / "step_00000999").exists()
             mine = [pid for pid, (_, environ) in processes().items() if marker.encode() in environ.split(b"\0")]
             assert len(mine) >= 6  # the demo, fake billing, sidecar, MLflow (+ its worker), watchdog, trainer
             os.killpg(proc.pid, signal.SIGINT)
@@ -178,5 +185,5 @@ def test_ctrl_c_stops_every_process_the_demo_started_and_a_busy_port_is_reported
     assert not left, [processes().get(pid, (b"",))[0] for pid in left]
     assert not [name for name, port in ports.items() if listening(port)]
     # The trainer got the stop through the watchdog and wrote its emergency checkpoint.
-    last_exit = [e for e in events(ws) if e["event"] == "exit"][-1]
-    assert last_exit["exit_code"] == 75 and last_exit["stop_requested"] is True
+    assert [(e["event"], e.get("exit_code"), e.get("stop_requested")) for e in events(ws)] == [
+        ("start", None, None), ("exit", 75, True)]

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
 from prometheus_client.parser import text_string_to_metric_families
 from promql_names import (
     SCRAPE_SERIES,
@@ -29,6 +28,9 @@ from promql_names import (
     recorded_names,
     rule_exprs,
 )
+
+from conftest import REPO
+from x1_common import contracts as C
 from x1_pretrain.stack import (
     BillingPlan,
     Service,
@@ -41,8 +43,6 @@ from x1_pretrain.stack import (
     trainer_command,
     wait_until,
 )
-
-from x1_common import contracts as C
 
 pytestmark = pytest.mark.slow
 
