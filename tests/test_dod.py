@@ -9,9 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import run_module
 from PIL import Image
 from test_export_run import SpikedRun, flip_byte, spiked_run
+
+from conftest import run_module
 from x1_pretrain import dod
 
 __all__ = ["spiked_run"]  # the shared session fixture, imported so pytest finds it here

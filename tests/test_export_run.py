@@ -26,9 +26,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from conftest import free_port, run_module, train_args
 from PIL import Image
 
+from conftest import free_port, run_module, train_args
 from x1_common.contracts import BudgetReading, utc_now
 from x1_common.fsutil import sha256_file
 
@@ -357,6 +357,7 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(spiked_run: Spi
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
+
     from x1_pretrain import export_run
 
     monkeypatch.setattr(export_run, "CONNECT_DELAYS_S", (0.2,))

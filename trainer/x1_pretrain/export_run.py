@@ -380,6 +380,9 @@ def budget_facts(path: Path | None) -> dict[str, Any]:
     except (OSError, BudgetFormatError) as e:
         raise ExportError(f"budget file {path}: {e}") from None
     facts: dict[str, Any] = {"spent_usd": reading.spent_usd, "budget": {**reading.to_dict(), "file": str(path)}}
+    extra = json.loads(path.read_text(encoding="utf-8")).get("instance_type")  # informative; not in every sidecar
+    if isinstance(extra, str) and extra:
+        facts["budget"]["instance_type"] = extra
     if reading.stale:
         facts["spent_usd_note"] = ("the last reading is marked stale (the provider API was failing): the spend "
                                    "is the sidecar's estimate from the last known rate")
@@ -462,7 +465,8 @@ def cluster_spec(record: RunRecord, budget: dict[str, Any], termination: dict[st
         "world_size": _number(record.tags.get("x1.world_size")),
         "provider": reading.get("provider") or term.get("provider") or "unknown",
         "instance_id": reading.get("instance_id") or term.get("instance_id") or "unknown",
-        "instance_type": term.get("instance_type") or "unknown (no provider record with it: give --termination-file)",
+        "instance_type": (term.get("instance_type") or reading.get("instance_type")
+                          or "unknown (no provider record with it: give --termination-file)"),
         "preflight": pre,
     }
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from x1_common.contracts import ExitCode, format_utc, utc_now
 from x1_common.fsutil import write_text_atomic
 from x1_pretrain.export_run import ExportError, RunRecord, Series, load_run, safe_uri
+from x1_pretrain.spikes import SpikeDetector
 
 RECOVERY_TOLERANCE = 0.02  # "back within 2% of the pre-spike EMA"
 MAX_PLOTS = 20  # a run that flags dozens of spikes gets the first ones drawn, and says so
@@ -239,6 +240,7 @@ def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
     skipped = record.flagged("spike_injection_skipped")
     spikes = group_spikes(injected, detected, gap=max(5, log_every))
     note = record.tags.get("x1.spike_injection")
+    history = SpikeDetector(factor=factor, beta=beta).min_observations
 
     if injected:
         injection = (f"`--inject-spike-at-step {injected[0] - 1}`: rare-token batches replaced steps "
@@ -257,8 +259,9 @@ def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
         "**Response** and **Lessons** are for the person who ran it: every `TODO(person)` is a prompt, not a finding.",
         "",
         f"- Run: config {record.tags.get('x1.config_name', record.params.get('name', '?'))}, {total} steps planned, "
-        f"{record.last_step} logged, metrics every {log_every} steps, grad clip {clip:g}.",
-        f"- Detector: a loss over {factor:g} × its EMA (β {beta:g}) after 20 steps of history is logged as `spike`.",
+        f"last logged step {record.last_step}, metrics every {log_every} steps, grad clip {clip:g}.",
+        f"- Detector: a loss over {factor:g} × its EMA (β {beta:g}) after {history} steps of history is logged as "
+        "`spike`.",
         f"- Injection: {injection}",
         "- Steps are MLflow's: they count completed steps, so the batches of step N are logged at step N+1.",
         f"- Recovery: steps from the spike's first step until the loss EMA (rebuilt from the logged losses with "
