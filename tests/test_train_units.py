@@ -1,0 +1,32 @@
+"""Small pieces of the trainer: the schedule and the compile-mode fallback after deaths while compiling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import TINY_CONFIG
+from x1_common.contracts import Heartbeat
+from x1_pretrain.config import load_config
+from x1_pretrain.train import compile_choice, lr_at
+
+
+def test_lr_warms_up_linearly_then_follows_the_cosine_to_min_lr():
+    optim = load_config(TINY_CONFIG, ["optim.lr=1.0", "optim.min_lr=0.1", "optim.warmup_steps=10"]).optim
+    assert lr_at(0, optim, 110) == pytest.approx(0.1) and lr_at(9, optim, 110) == pytest.approx(1.0)
+    assert lr_at(10, optim, 110) == pytest.approx(1.0)
+    assert lr_at(60, optim, 110) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, optim, 110) == pytest.approx(0.1) and lr_at(500, optim, 110) == pytest.approx(0.1)
+
+
+def test_a_death_while_compiling_falls_back_to_mode_default_then_to_eager(tmp_path):
+    cfg = load_config(TINY_CONFIG, ["train.compile=true", "train.compile_mode=max-autotune"])
+    assert compile_choice(cfg, tmp_path, None) == "max-autotune"
+    healthy = Heartbeat(step=5, time=0.0, pid=1, phase="training")
+    assert compile_choice(cfg, tmp_path, healthy) == "max-autotune"
+    died = Heartbeat(step=0, time=0.0, pid=1, phase="compiling")
+    assert compile_choice(cfg, tmp_path, died) == "default"  # the first death: mode default
+    assert compile_choice(cfg, tmp_path, died) is None  # the second: eager, slower but it runs
+    eager_cfg = load_config(TINY_CONFIG, ["train.compile=false"])
+    assert compile_choice(eager_cfg, tmp_path, died) is None
