@@ -333,13 +333,23 @@ def test_restarts_come_from_the_watchdog_events_when_given(spiked_run: SpikedRun
     assert manifest["restarts"] == 2 and str(events) in manifest["restarts_source"]
 
 
-def test_a_missing_budget_file_gives_null_spend_with_its_reason(spiked_run: SpikedRun, tmp_path: Path) -> None:
-    ckpt = tmp_path / "elsewhere" / "checkpoints"  # no budget.json beside it
+def test_missing_budget_and_termination_files_are_left_out_with_their_reasons(spiked_run: SpikedRun,
+                                                                             tmp_path: Path) -> None:
+    ckpt = tmp_path / "elsewhere" / "checkpoints"  # no budget.json nor logs/ beside it
     shutil.copytree(spiked_run.ckpt, ckpt)
     assert export_main("--mlflow-uri", spiked_run.uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(ckpt)) == 0
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["spent_usd"] is None and "no budget file" in manifest["spent_usd_reason"]
     assert manifest["termination"] is None and not (tmp_path / "run" / "budget.json").exists()
+
+    # Named but absent (the sidecar never wrote, the terminate never happened): noted, not fatal.
+    gone = tmp_path / "gone"
+    assert export_main("--mlflow-uri", spiked_run.uri, "--output", str(tmp_path / "run2"), "--ckpt-dir", str(ckpt),
+                       "--budget-file", str(gone / "budget.json"), "--termination-file", str(gone / "t.json")) == 0
+    manifest = json.loads((tmp_path / "run2" / "manifest.json").read_text())
+    assert manifest["spent_usd_reason"] == f"--budget-file {gone / 'budget.json'}: no such file"
+    assert f"--termination-file {gone / 't.json'}: no such file, left out" in manifest["notes"]
+    assert not (tmp_path / "run2" / "termination.json").exists()
 
 
 def test_force_replaces_the_export_and_keeps_the_persons_files(spiked_run: SpikedRun, tmp_path: Path) -> None:
@@ -373,7 +383,8 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(spiked_run: Spi
         (["--mlflow-uri", f"http://127.0.0.1:{free_port()}"], "cannot read the MLflow tracking store"),
         (["--mlflow-uri", spiked_run.uri, "--ckpt-dir", str(tmp_path / "no-weights")], "no weights in"),
         (["--mlflow-uri", spiked_run.uri, "--ckpt-dir", str(tmp_path / "nowhere")], "does not exist"),
-        (["--mlflow-uri", spiked_run.uri, "--budget-file", str(tmp_path / "nope.json")], "--budget-file"),
+        (["--mlflow-uri", spiked_run.uri, "--budget-file", str(spiked_run.run_dir / "manifest.json")],
+         "lacks rate_usd_per_hr"),
     ]
     for args, message in cases:
         assert export_main(*args, "--output", str(tmp_path / "out")) == 2, args

@@ -369,14 +369,15 @@ def choose_weights(ckpt_dir: Path, end: str) -> WeightsChoice:
                       f"checkpoint{detail}")
 
 
-def budget_facts(path: Path | None) -> dict[str, Any]:
+def budget_facts(path: Path | None, missing: Path | None = None) -> dict[str, Any]:
+    """Spend from the sidecar's last reading. No reading is not an error: spent_usd is null with
+    the reason, and the DoD's spend check fails saying so. A file that is not a reading is."""
     if path is None:
-        return {"spent_usd": None,
-                "spent_usd_reason": "no budget file (the sidecar writes /workspace/budget.json): pass --budget-file"}
+        why = (f"--budget-file {missing}: no such file" if missing else
+               "no budget file (the sidecar writes /workspace/budget.json): pass --budget-file")
+        return {"spent_usd": None, "spent_usd_reason": why}
     try:
         reading = read_budget_file(path)
-    except FileNotFoundError:
-        raise ExportError(f"--budget-file {path}: no such file") from None
     except (OSError, BudgetFormatError) as e:
         raise ExportError(f"budget file {path}: {e}") from None
     facts: dict[str, Any] = {"spent_usd": reading.spent_usd, "budget": {**reading.to_dict(), "file": str(path)}}
@@ -416,8 +417,6 @@ def termination_facts(path: Path | None) -> dict[str, Any] | None:
 
     if path is None:
         return None
-    if not path.is_file():
-        raise ExportError(f"--termination-file {path}: no such file")
     if path.suffix.lower() == ".png":
         return {"file": "termination.png", "source": str(path), "kind": "screenshot"}
     try:
@@ -592,11 +591,17 @@ class Inputs:
     budget: Path | None
     termination: Path | None
     events: Path | None
+    missing: dict[str, Path] = field(default_factory=dict)  # flag -> a file given that does not exist
+
+    def notes(self) -> list[str]:
+        return [f"{flag} {path}: no such file, left out" for flag, path in self.missing.items()]
 
 
 def locate_inputs(args: argparse.Namespace, record: RunRecord) -> Inputs:
     """Explicit flags first; otherwise the /workspace layout around the checkpoint dir
-    (K/../budget.json, K/../logs/termination.json, K/../logs/watchdog-events.jsonl)."""
+    (K/../budget.json, K/../logs/termination.json, K/../logs/watchdog-events.jsonl). A file named
+    but absent (no terminate happened, no sidecar ran) is left out and noted, never fatal: the DoD
+    then fails the check it was evidence for, naming it."""
     if args.ckpt_dir:
         ckpt = Path(args.ckpt_dir)
     elif record.tags.get("x1.ckpt_dir"):
@@ -605,16 +610,22 @@ def locate_inputs(args: argparse.Namespace, record: RunRecord) -> Inputs:
         raise ExportError(f"run {record.run_id} has no x1.ckpt_dir tag: pass --ckpt-dir")
     workspace = ckpt.parent
 
-    def pick(flag: str | None, default: Path) -> Path | None:
-        if flag:
-            return Path(flag)
-        return default if default.is_file() else None
+    missing: dict[str, Path] = {}
+
+    def pick(flag: str, given: str | None, default: Path) -> Path | None:
+        path = Path(given) if given else default
+        if path.is_file():
+            return path
+        if given:
+            missing[flag] = path
+        return None
 
     return Inputs(
         ckpt_dir=ckpt,
-        budget=pick(args.budget_file, workspace / "budget.json"),
-        termination=pick(args.termination_file, workspace / "logs" / "termination.json"),
-        events=pick(args.events_file, workspace / "logs" / "watchdog-events.jsonl"),
+        budget=pick("--budget-file", args.budget_file, workspace / "budget.json"),
+        termination=pick("--termination-file", args.termination_file, workspace / "logs" / "termination.json"),
+        events=pick("--events-file", args.events_file, workspace / "logs" / "watchdog-events.jsonl"),
+        missing=missing,
     )
 
 
@@ -632,7 +643,7 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
         model_cfg = model_config_from_json(json.dumps(meta["model_config"]))
     except (KeyError, ConfigError) as e:
         raise ExportError(f"{weights.path}: not an X1 weights file (no usable model config in its metadata: {e})") from None
-    notes = list(config.notes)
+    notes = inputs.notes() + config.notes
     tag_hash = record.tags.get("x1.config_hash")
     if tag_hash and meta.get("config_hash") not in (None, tag_hash):
         notes.append(f"{weights.path} carries config hash {str(meta['config_hash'])[:12]}, the run's tag is "
@@ -704,7 +715,7 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     record = load_run(args.mlflow_uri, args.run_id, args.experiment)
     inputs = locate_inputs(args, record)
     events = read_events(inputs.events)
-    budget = budget_facts(inputs.budget)
+    budget = budget_facts(inputs.budget, inputs.missing.get("--budget-file"))
     termination = termination_facts(inputs.termination)
     end, _ = end_of_run(record, events)
     weights = choose_weights(inputs.ckpt_dir, end)
@@ -808,7 +819,8 @@ def build_parser() -> argparse.ArgumentParser:
             "The checkpoint dir comes from the run's x1.ckpt_dir tag unless --ckpt-dir is given. Without the\n"
             "other flags the export looks beside it, in the /workspace layout: K/../budget.json,\n"
             "K/../logs/termination.json and K/../logs/watchdog-events.jsonl, and uses each one that exists.\n"
-            "A missing budget file gives spent_usd: null with the reason (the DoD's spend check then fails).\n\n"
+            "A file that is absent, named or not, is left out with a note and the DoD fails the check it was\n"
+            "evidence for: no budget reading gives spent_usd: null with the reason.\n\n"
             "Exit codes: 0 exported; 2 bad input (no such run, no runs, tracking store unreachable after a\n"
             "short retry, no weights, --output not empty without --force), with a message naming it."
         ),
