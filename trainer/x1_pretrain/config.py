@@ -163,6 +163,7 @@ class TrackingConfig(_Section):
     experiment: str = Field("x1-pretraining", description="MLflow experiment name")
     run_name: str | None = Field(None, description="MLflow run name; default: config name + start time")
     metrics_port: int = Field(9791, ge=0, le=65535, description="Prometheus /metrics; 0 disables")
+    metrics_host: str = Field("127.0.0.1", description="address /metrics listens on; 0.0.0.0 inside a container")
     heartbeat_file: str = Field("/workspace/logs/heartbeat.json", description="read by the watchdog")
 
 
@@ -224,6 +225,7 @@ SEED_FLAGS = {
     "planned_rate_usd_per_hr": "budget.planned_rate_usd_per_hr",
     "planned_hours": "budget.planned_hours",
     "metrics_port": "tracking.metrics_port",
+    "metrics_host": "tracking.metrics_host",
     "heartbeat_file": "tracking.heartbeat_file",
 }
 

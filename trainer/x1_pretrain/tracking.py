@@ -217,7 +217,7 @@ class MlflowLogger:
 class PrometheusMetrics:
     """The trainer's /metrics. A busy port is a warning, never a failed run."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, host: str = "127.0.0.1"):
         from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
         self.registry = CollectorRegistry()
@@ -236,7 +236,7 @@ class PrometheusMetrics:
         self.port = 0
         if port:
             try:
-                start_http_server(port, registry=self.registry)
+                start_http_server(port, addr=host, registry=self.registry)
                 self.port = port
             except OSError as e:
                 log.warning("metrics port %d unavailable (%s): training continues without /metrics", port, e)

@@ -444,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--dry-run-budget", action="store_true", help="walk simulated readings through every rule, print, exit 0")
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (9791; 0 disables)")
+    ops.add_argument("--metrics-host", help="address /metrics listens on (127.0.0.1; 0.0.0.0 inside a container)")
     ops.add_argument("--heartbeat-file", help="heartbeat JSON the watchdog reads (/workspace/logs/heartbeat.json)")
     ops.add_argument("--allow-config-change", action="store_true",
                      help="resume even though the config hash (model, optimizer, schedule) changed")
@@ -555,7 +556,8 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
         params=flatten(cfg.resolved()), tags=tags, spool_path=ckpt_root / "mlflow-spool.jsonl", on_run_id=remember,
     )
     mlflow.start()
-    return MetricsSink(mlflow, PrometheusMetrics(cfg.tracking.metrics_port), Heartbeat(cfg.tracking.heartbeat_file))
+    prom = PrometheusMetrics(cfg.tracking.metrics_port, cfg.tracking.metrics_host)
+    return MetricsSink(mlflow, prom, Heartbeat(cfg.tracking.heartbeat_file))
 
 
 def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str | None:
