@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 from aiosmtpd.controller import Controller
+
 from budget_sidecar.testing import FakeBilling, ManagedProcess, ProcessExited, Sidecar, wait_until
 from conftest import TINY_CONFIG, cli_env, free_port, start_trainer, train_args
-
 from x1_common.contracts import Heartbeat
 
 pytestmark = pytest.mark.slow

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REFERENCE_STEPS, REPO, cli_env, train_args
 
+from conftest import REFERENCE_STEPS, REPO, cli_env, train_args
 from x1_common.contracts import Heartbeat
 
 pytestmark = pytest.mark.slow
