@@ -78,8 +78,9 @@ def make_guard(budget_file: Path, clock: Clock | None = None, alerts: AlertSende
 @pytest.mark.parametrize("spent, projected, rate, age_min, stale, action, code, alerts", [
     # 1. spent over the cap wins over everything, and exits without a checkpoint
     (36.0, 40.0, 5.0, 30, True, Action.EXIT_NOW, 77, ()),
-    # 2. projection over the cap: checkpoint, then exit
-    (31.0, 36.0, 5.0, 30, True, Action.CHECKPOINT_AND_EXIT, 76, ()),
+    # 2. projection over the cap: checkpoint, then exit -- the alerts say why before it stops
+    (31.0, 36.0, 5.0, 30, True, Action.CHECKPOINT_AND_EXIT, 76, ("alert-line", "rate", "stale")),
+    (20.0, 36.0, 1.10, 0, False, Action.CHECKPOINT_AND_EXIT, 76, ()),
     # 3.-5. alerts only, all of them at once when all apply
     (31.0, 34.0, 5.0, 30, False, Action.CONTINUE, None, ("alert-line", "rate", "stale")),
     (31.0, 34.0, 1.10, 0, False, Action.CONTINUE, None, ("alert-line",)),

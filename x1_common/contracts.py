@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from enum import IntEnum
@@ -254,7 +255,8 @@ MLFLOW_SPIKE_INJECTED = "spike_injected"  # 1.0 at each injected step
 MLFLOW_NONFINITE = "nonfinite_step"  # 1.0 at a skipped (non-finite) step
 MLFLOW_CLIPPED = "clipped"  # 1.0 when the grad norm was over the clip threshold
 MLFLOW_RESTART = "restart"  # 1.0 at the step a resumed process starts from
-MLFLOW_WALL_HOURS = "wall_hours"  # wall-clock hours since the run's first start
+MLFLOW_WALL_HOURS = "wall_hours"  # wall-clock hours since the run's first start (downtime included)
+MLFLOW_TRAIN_HOURS = "train_hours"  # hours spent training, summed over restarts (eval, checkpoints excluded)
 
 # Secrets: environment variables whose values never reach a log, a file or MLflow.
 SECRET_ENV_VARS = (
@@ -281,3 +283,20 @@ def redact(text: str, environ: dict[str, str] | None = None) -> str:
     for value in secret_values(environ):
         text = text.replace(value, "***")
     return text
+
+
+# Keys whose values are secrets in records we keep (a Lambda instance record carries a
+# jupyter_token and a jupyter_url that opens the instance).
+_SECRET_KEY = re.compile(r"(^|_)(token|password|passwd|secret|api_?key|authorization)($|_)|^jupyter_url$", re.I)
+
+
+def scrub_record(obj: Any) -> Any:
+    """A JSON-like record with the values of secret-named keys masked and secret env values redacted."""
+    if isinstance(obj, dict):
+        return {k: "***" if _SECRET_KEY.search(str(k)) and v not in (None, "") else scrub_record(v)
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub_record(v) for v in obj]
+    if isinstance(obj, str):
+        return redact(obj)
+    return obj

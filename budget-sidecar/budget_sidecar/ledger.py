@@ -45,6 +45,7 @@ class Ledger:
     rate_usd_per_hr: float | None = None  # last known
     billing: bool = True  # was the instance billing at the last poll
     instance_status: str | None = None
+    instance_type: str | None = None  # informative, for the run's manifest
     consecutive_failures: int = 0
     poll_failures_total: int = 0
     last_success: float | None = None
@@ -130,6 +131,8 @@ class Ledger:
         self.rate_usd_per_hr = rate
         self.billing = billing_now
         self.instance_status = "running" if inst is None else inst.status
+        if inst is not None and inst.instance_type:
+            self.instance_type = inst.instance_type
         self.consecutive_failures = 0
         self.last_success = now
         self.last_error = None
@@ -197,6 +200,7 @@ def reading_document(reading: BudgetReading, ledger: Ledger, time_scale: float) 
         "Z", f".{reading.last_update_utc.microsecond:06d}Z"
     )
     doc["instance_status"] = ledger.instance_status
+    doc["instance_type"] = ledger.instance_type
     doc["consecutive_failures"] = ledger.consecutive_failures
     if time_scale != 1.0:
         doc["time_scale"] = time_scale  # tests and demo: readers extrapolate age x time_scale

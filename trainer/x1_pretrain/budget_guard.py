@@ -272,19 +272,32 @@ class BudgetGuard:
         assert reading is not None
         spent, projected = self._extrapolate(reading, now)
         age_min = self._age_s(reading, now) / 60.0
-        # 1. and 2.: the stops.
+        fields = {"spent_usd": round(spent, 2), "projected_usd": round(projected, 2), "cap_usd": self.cap,
+                  "rate_usd_per_hr": reading.rate_usd_per_hr, "reading_age_min": round(age_min, 1),
+                  "source": reading.source or "?"}
+        # 1. spent over the cap: exit at once. Nothing else runs first, an alert send included
+        # (it can take seconds); the watchdog alerts on the stop.
         if spent > self.cap:
             return self._decide(Action.EXIT_NOW, ExitCode.BUDGET_SPENT,
                                 f"spent {usd(spent)} (extrapolated from a reading {age_min:.0f} min old) is over the cap "
                                 f"{usd(self.cap)}: exiting now without a checkpoint", spent, projected)
+        # 3. to 5.: alerts, no action. Judged before rule 2 acts, so that a stop for the projection
+        # still tells the person why (a price that tripled: the rate warning, then the stop).
+        sent = self._alerts(reading, spent, projected, age_min, fields)
+        # 2. projected total over the cap: a clean checkpoint, then exit.
         if projected > self.cap:
             return self._decide(Action.CHECKPOINT_AND_EXIT, ExitCode.BUDGET_PROJECTED,
                                 f"projected total {usd(projected)} is over the cap {usd(self.cap)} (spent {usd(spent)}): "
-                                "checkpoint and exit", spent, projected)
-        # 3. to 5.: alerts, no action.
-        fields = {"spent_usd": round(spent, 2), "projected_usd": round(projected, 2), "cap_usd": self.cap,
-                  "rate_usd_per_hr": reading.rate_usd_per_hr, "reading_age_min": round(age_min, 1),
-                  "source": reading.source or "?"}
+                                "checkpoint and exit", spent, projected, sent)
+        notes = [n for n, on in (("alert line crossed", "alert-line" in sent), ("rate over plan", "rate" in sent),
+                                 ("stale reading", "stale" in sent)) if on]
+        reason = (f"{prefix}: spent {usd(spent)}, projected {usd(projected)} of {usd(self.cap)}"
+                  + (f" ({', '.join(notes)})" if notes else ""))
+        self.log.info("budget: %s", reason)
+        return Decision(Action.CONTINUE, None, reason, spent, projected, tuple(sent))
+
+    def _alerts(self, reading: BudgetReading, spent: float, projected: float, age_min: float,
+                fields: Mapping[str, Any]) -> list[str]:
         sent: list[str] = []
         sent += self._raise_once(
             "alert-line", spent > self.cfg.alert_usd, f"Budget: {usd(spent)} spent, over the {usd(self.cfg.alert_usd)} alert line",
@@ -302,12 +315,7 @@ class BudgetGuard:
             "stale", stale, "Budget data stale",
             f"The budget reading is {age_min:.0f} min old{' and marked stale by the sidecar' if reading.stale else ''}; "
             f"spend is judged extrapolated at {usd(reading.rate_usd_per_hr)}/h = {usd(spent)}.", fields)
-        notes = [n for n, on in (("alert line crossed", "alert-line" in sent), ("rate over plan", "rate" in sent),
-                                 ("stale reading", "stale" in sent)) if on]
-        reason = (f"{prefix}: spent {usd(spent)}, projected {usd(projected)} of {usd(self.cap)}"
-                  + (f" ({', '.join(notes)})" if notes else ""))
-        self.log.info("budget: %s", reason)
-        return Decision(Action.CONTINUE, None, reason, spent, projected, tuple(sent))
+        return sent
 
     def _raise_once(self, kind: str, condition: bool, subject: str, body: str, fields: Mapping[str, Any]) -> list[str]:
         flag = {"alert-line": "_over_alert_line", "rate": "_rate_high", "stale": "_stale"}[kind]
@@ -320,9 +328,10 @@ class BudgetGuard:
         self.alerts.send(kind, subject, body, dict(fields))  # never raises
         return [kind]
 
-    def _decide(self, action: Action, code: int, reason: str, spent: float | None, projected: float | None) -> Decision:
+    def _decide(self, action: Action, code: int, reason: str, spent: float | None, projected: float | None,
+                alerts: list[str] | None = None) -> Decision:
         self.log.error("budget: %s", reason)
-        return Decision(action, int(code), reason, spent, projected)
+        return Decision(action, int(code), reason, spent, projected, tuple(alerts or ()))
 
 
 class NullGuard:

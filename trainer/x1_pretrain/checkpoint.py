@@ -68,6 +68,7 @@ class TrainerState:
     spike: dict[str, Any] = field(default_factory=dict)  # detector EMA, injection bookkeeping
     nonfinite_in_row: int = 0
     train_seconds: float = 0.0  # wall seconds spent training, summed over restarts
+    run_started: float = 0.0  # unix time of the run's first start (wall hours count from here)
     restarts: int = 0
     created_utc: str = ""
 

@@ -4,7 +4,7 @@
     DIR/metrics.csv           long format step,name,value; one row per (step, name)
     DIR/loss-curve.png        train + val loss, the seed's expected points, the DoD band
     DIR/gradnorm-curve.png    grad norm (before clipping) and param norm
-    DIR/throughput.png        tokens/s against training hours, restarts marked
+    DIR/throughput.png        tokens/s against wall-clock hours, restarts marked
     DIR/final.safetensors     the final weights, or the newest complete checkpoint of a run that stopped early
     DIR/mlflow-run-uri.txt    where the run lives in MLflow
     DIR/budget.json           the sidecar's last reading, when there is one
@@ -37,7 +37,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from x1_common.contracts import BudgetFormatError, ExitCode, end_reason, format_utc, read_budget_file, redact, utc_now
+from x1_common.contracts import (
+    BudgetFormatError,
+    ExitCode,
+    end_reason,
+    format_utc,
+    read_budget_file,
+    redact,
+    scrub_record,
+    utc_now,
+)
 from x1_common.fsutil import fsync_dir, sha256_file, write_json_atomic, write_text_atomic
 
 # The export is run by a person waiting at a prompt: MLflow's own client would retry an
@@ -107,15 +116,14 @@ def safe_uri(uri: str) -> str:
     return redact(uri)
 
 
-_SECRET_KEY = re.compile(r"(^|_)(token|password|passwd|secret|api_?key|authorization)($|_)|^jupyter_url$", re.I)
 _URI = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
 
 
 def scrub(obj: Any) -> Any:
     """`obj` with no secret left in it: credentials in URIs, secret env values, and the values of
-    secret-named keys (a Lambda instance record carries a jupyter_token, for one)."""
+    secret-named keys (contracts.scrub_record)."""
     if isinstance(obj, dict):
-        return {k: "***" if _SECRET_KEY.search(str(k)) and v not in (None, "") else scrub(v) for k, v in obj.items()}
+        return {k: scrub(v) for k, v in scrub_record(obj).items()}
     if isinstance(obj, list):
         return [scrub(v) for v in obj]
     if isinstance(obj, str):
@@ -652,6 +660,7 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
     tokens = record.last("tokens_seen")
     tokens_seen = tokens[1] if tokens else record.last_step * float(_float_or_none(train_cfg.get("tokens_per_step")) or 0)
     wall = [v for _, v in record.get("wall_hours")]
+    trained = [v for _, v in record.get("train_hours")]
     loss, val = record.last("loss"), record.last("val_loss")
     now_ms = int(time.time() * 1000)
     seed = _number(record.tags.get("x1.seed")) if "x1.seed" in record.tags else train_cfg.get("seed")
@@ -677,7 +686,9 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
         "total_steps": _number(str(train_cfg.get("total_steps"))) if train_cfg.get("total_steps") is not None else None,
         "tokens_seen": tokens_seen,
         "wall_hours": max(wall) if wall else None,
-        "wall_hours_note": "training time summed over restarts (eval, checkpoint and downtime excluded)",
+        "wall_hours_note": "wall-clock hours from the run's first start to its last log step, downtime included",
+        "train_hours": max(trained) if trained else None,
+        "train_hours_note": "training time summed over restarts (eval, checkpoints and downtime excluded)",
         "elapsed_hours": round(((record.end_ms or now_ms) - record.start_ms) / 3.6e6, 4) if record.start_ms else None,
         "final_train_loss": loss[1] if loss else None,
         "final_train_loss_step": loss[0] if loss else None,

@@ -150,13 +150,13 @@ def throughput_curve(
     mfu: Sequence[tuple[float, float]] = (),
     title: str,
 ) -> None:
-    """Tokens/s against training wall-clock hours; a dashed line where the trainer restarted."""
+    """Tokens/s against wall-clock hours since the run began; a dashed line where the trainer restarted."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
     if points:
         ax.plot([h for h, _ in points], [v for _, v in points], color="tab:blue", lw=1, label="tokens/s")
     for i, h in enumerate(restarts_at_hours):
         ax.axvline(h, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
-    ax.set_xlabel("training wall-clock hours")
+    ax.set_xlabel("wall-clock hours since the run began")
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
     ax.set_title(title)

@@ -35,6 +35,18 @@ def _ram_gb() -> float | None:
     return None
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def form_factor(gpu_name: str) -> str:
     n = gpu_name.lower()
     if "pcie" in n or " nvl" in n:
@@ -49,6 +61,7 @@ def collect(device: torch.device, attention: str, disk_path: str | os.PathLike[s
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda or "none",
         "vcpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
         "ram_gb": round(_ram_gb() or 0.0, 1),
         "attention": attention,
         "device": str(device),

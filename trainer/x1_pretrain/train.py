@@ -209,7 +209,7 @@ def train_loop(run: Run) -> int:
             return diverged(run, step)
         if finite and run.detector.update(step, loss_v):
             log.warning("loss spike at step %d: %.3f vs EMA %.3f", step, loss_v, run.detector.ema)
-            run.sink.log(step, {"spike": 1.0})
+            run.sink.log(step, {"spike": 1.0, "spike_loss": loss_v, "spike_ema": run.detector.ema})
 
         # 5. log
         if step % cfg.train.log_every == 0 or step == total:
@@ -278,7 +278,8 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
         "tokens_per_sec": tps,
         "mfu": mfu,
         "tokens_seen": float(run.state.tokens_seen),
-        "wall_hours": run.state.train_seconds / 3600,
+        "wall_hours": (time.time() - run.state.run_started) / 3600,  # since the run's first start
+        "train_hours": run.state.train_seconds / 3600,
         "clipped": float(grad_norm > run.cfg.optim.grad_clip),
     }
     if run.measured_peak_tflops:
@@ -528,6 +529,18 @@ def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
     return loaded
 
 
+def run_started_before(cfg: RunConfig, d: D.Dist) -> float | None:
+    """When a run that crashed before its first checkpoint first started (mlflow-run.json)."""
+    import json
+
+    path = Path(cfg.checkpoint.dir) / "mlflow-run.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return saved.get("started") if saved.get("config_hash") == cfg.config_hash() else None
+
+
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str):
     from x1_pretrain.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
 
@@ -538,7 +551,8 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
     run_file = ckpt_root / "mlflow-run.json"
 
     def remember(run_id: str) -> None:
-        write_json_atomic(run_file, {"run_id": run_id, "config_hash": state.config_hash, "uri": cfg.tracking.mlflow_uri})
+        write_json_atomic(run_file, {"run_id": run_id, "config_hash": state.config_hash, "uri": cfg.tracking.mlflow_uri,
+                                     "started": state.run_started})
 
     run_id = state.mlflow_run_id
     if run_id is None and run_file.is_file() and state.step == 0:  # crashed before its first checkpoint
@@ -671,10 +685,12 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         state.restarts += 1
         state.config = cfg.resolved()
         restore_rng(state.rng)
+        state.run_started = state.run_started or time.time() - state.train_seconds  # older checkpoints
         log.info("resuming from %s at step %d (%d tokens seen)", loaded.path, state.step, state.tokens_seen)
     else:
         state = TrainerState(step=0, tokens_seen=0, config_hash=cfg.config_hash(), config=cfg.resolved(),
-                             sampler={"seed": cfg.train.seed}, world_size=d.world_size)
+                             sampler={"seed": cfg.train.seed}, world_size=d.world_size,
+                             run_started=run_started_before(cfg, d) or time.time())
     state.world_size = d.world_size
     state.sampler = {"seed": cfg.train.seed, "next_step": state.step}
     if state.step >= cfg.train.total_steps and loaded is None:

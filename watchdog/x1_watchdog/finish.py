@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from x1_common.contracts import ExitCode
+from x1_common.contracts import ExitCode, scrub_record
 from x1_common.fsutil import write_json_atomic
 from x1_common.providers import Instance, ProviderError
 from x1_watchdog.records import EventLog, StateStore, iso_time
@@ -93,7 +93,8 @@ class Terminator:
             record["instance_after"] = {"status": after.status, "raw_status": after.raw_status, "raw": after.raw}
         except ProviderError as e:
             record["instance_after"] = {"error": str(e)}
-        write_json_atomic(self.termination_file, record)
+        # The instance record can carry secrets of its own (Lambda's jupyter_token): masked.
+        write_json_atomic(self.termination_file, scrub_record(record))
         self.state.update_final(terminated=True, termination_file=str(self.termination_file))
         self.events.write("terminate", ok=True, provider=self.provider, instance_id=self.instance_id,
                           exit_code=exit_code, reason=reason, termination_file=str(self.termination_file),

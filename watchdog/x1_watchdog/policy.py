@@ -41,7 +41,8 @@ class StallDetector:
 
     A heartbeat counts only if it was written after the current trainer started: the previous
     process's last heartbeat must not vouch for a new one that hangs in its imports. The grace
-    also covers a long `torch.compile` (phase "compiling") in the first minutes.
+    covers start-up only (imports, data checks, a long `torch.compile`: phases "startup" and
+    "compiling"); once the trainer has beaten from its loop, a stale heartbeat is a stall at once.
     """
 
     def __init__(self, heartbeat_file: str | os.PathLike[str], stall_seconds: float, startup_grace_seconds: float):
@@ -60,9 +61,12 @@ class StallDetector:
 
     def check(self, now: float) -> str | None:
         """None while healthy, else a sentence saying why the trainer counts as stalled."""
-        if self.stall_seconds <= 0 or now - self._started_at <= self.startup_grace_seconds:
+        if self.stall_seconds <= 0:
             return None
         beat = self.own_heartbeat()
+        starting = beat is None or beat.phase in ("startup", "compiling")
+        if starting and now - self._started_at <= self.startup_grace_seconds:
+            return None
         if beat is None:
             return f"no heartbeat in {self.heartbeat_file} within the {self.startup_grace_seconds:g} s startup grace"
         age = now - beat.time
