@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
-from budget_sidecar.testing import free_port
 
+from budget_sidecar.testing import free_port
 from x1_common.alerts import AlertSender
 
 WEBHOOK_TOKEN = "T000/B000/hooksecret9931"

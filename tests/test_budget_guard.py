@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 from aiosmtpd.controller import Controller
+
 from budget_sidecar.testing import Sidecar, free_port
+from x1_common.alerts import AlertSender
 from x1_pretrain.budget_guard import Action, BudgetGuard, NullGuard, dry_run, read_source
 from x1_pretrain.config import BudgetConfig, ConfigError
-
-from x1_common.alerts import AlertSender
 
 T0 = 1_900_000_000.0
 

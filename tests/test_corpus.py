@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
 from conftest import run_module
 from x1_pretrain.corpus import Document, module_document, write_corpus
 

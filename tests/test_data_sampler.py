@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from conftest import REPO, cli_env
 from x1_pretrain.data import (
     CHECK_CACHE,

@@ -8,10 +8,10 @@ import json
 import time
 
 import pytest
-from budget_sidecar.fake_billing import FakeCloud, create_app
-from budget_sidecar.testing import FakeBilling, http_json
 from fastapi.testclient import TestClient
 
+from budget_sidecar.fake_billing import FakeCloud, create_app
+from budget_sidecar.testing import FakeBilling, http_json
 from x1_common.providers import parse_lambda_instance, parse_runpod_pod
 
 KEY = "fake-key-7f3a9c"

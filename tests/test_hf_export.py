@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, TINY_CONFIG, run_module
 from safetensors import safe_open
+
+from conftest import CONFIGS, TINY_CONFIG, run_module
 from x1_pretrain import hf_export
 from x1_pretrain.config import load_config
 from x1_pretrain.model import Transformer

@@ -8,8 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_module
 from huggingface_hub.errors import HfHubHTTPError
+
+from conftest import run_module
 from x1_pretrain import prepare
 from x1_pretrain.prepare import FINEWEB_EDU, PILE_CC, Source, check_shards
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from budget_sidecar.testing import FakeBilling, ManagedProcess, wait_until
 
 KEY = "sk-price-3b7d1e"

@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-from budget_sidecar.testing import FakeBilling
 
+from budget_sidecar.testing import FakeBilling
 from x1_common.providers import (
     LambdaClient,
     ProviderError,

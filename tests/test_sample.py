@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import TINY_CONFIG, run_module
 from x1_pretrain import sample
 from x1_pretrain.config import load_config

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
 from budget_sidecar.app import create_app
 from budget_sidecar.ledger import Ledger
 from budget_sidecar.poller import Poller
 from budget_sidecar.settings import SidecarSettings
 from budget_sidecar.testing import FakeBilling, Sidecar, wait_until
-from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
-
 from x1_common.contracts import BudgetReading, read_budget_file
 from x1_common.providers import Instance
 

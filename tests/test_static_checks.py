@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, free_port
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
@@ -38,6 +37,7 @@ from promql_names import (
     rule_exprs,
 )
 
+from conftest import REPO, free_port
 from x1_common import contracts as C
 
 VENV_BIN = Path(sys.executable).parent

@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import REPO, cli_env, run_module
-from x1_pretrain.tokenizer import EOT_TOKEN, encode_document
 
+from conftest import REPO, cli_env, run_module
 from x1_common.fsutil import sha256_file
+from x1_pretrain.tokenizer import EOT_TOKEN, encode_document
 
 OUTPUTS = ("train.bin", "val.bin", "meta.json")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, free_port, run_module, start_trainer, train_args
+from conftest import cli_env, free_port, run_module, start_trainer, train_args
 from x1_common.contracts import Heartbeat
 
 MLFLOW = Path(sys.executable).with_name("mlflow")

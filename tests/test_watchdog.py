@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, cli_env, free_port, run_module
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import REPO, cli_env, free_port, run_module
 from x1_common.contracts import end_reason
 
 STUB = Path(__file__).with_name("stub_trainer.py")

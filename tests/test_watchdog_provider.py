@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_watchdog import Workdir, read_jsonl, scrape, wait_until
+
 from budget_sidecar.testing import FakeBilling
 from conftest import REPO, cli_env, free_port
-from test_watchdog import Workdir, read_jsonl, scrape, wait_until
 
 API_KEY = "fake-billing-key-5c1e7a"
 KEY_ENV = {"lambda": "LAMBDA_API_KEY", "runpod": "RUNPOD_API_KEY"}
