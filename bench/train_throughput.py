@@ -56,7 +56,6 @@ VARIANTS: dict[str, dict] = {
     "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False}},
     "no-rope-kernel": {"patch": {"x1_pretrain.model.FUSED_ROPE": False}},
     "no-swiglu-kernel": {"patch": {"x1_pretrain.model.FUSED_SWIGLU": False}},
-    "ce-hybrid": {"patch": {"x1_pretrain.losses.FWD_KERNEL": "hybrid"}},
     "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},
     "sdpa-flash": {"sets": [], "sdpa": "flash"},
     "sdpa-efficient": {"sets": [], "sdpa": "efficient"},

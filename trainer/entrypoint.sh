@@ -7,8 +7,9 @@
 #
 # The trainer's exit code is what the watchdog acts on (75 relaunch, 76/77 budget stop, 0 done,
 # ...). torchrun reports any failed worker as exit 1, so under torchrun each worker runs through
-# this script's --worker mode, which records rank 0's exit code in a file; the launcher then exits
-# with that code instead of torchrun's.
+# this script's --worker mode, which records its exit code in a file per rank; the launcher then
+# exits with rank 0's code — or, when torchrun's teardown killed rank 0 after another rank failed
+# on its own (a config error on every rank: whichever is first), with that rank's code.
 set -euo pipefail
 
 if [[ "${1:-}" == "--worker" ]]; then
@@ -19,8 +20,8 @@ if [[ "${1:-}" == "--worker" ]]; then
   trap 'true' TERM INT
   code=0
   python -m x1_pretrain.train "$@" || code=$?
-  if [[ "${RANK:-0}" == 0 && -n "${X1_RANK0_EXIT_FILE:-}" ]]; then
-    echo "$code" > "$X1_RANK0_EXIT_FILE"
+  if [[ -n "${X1_EXIT_DIR:-}" ]]; then
+    echo "$code" > "$X1_EXIT_DIR/rank${RANK:-0}"
   fi
   exit "$code"
 fi
@@ -41,8 +42,8 @@ if [[ "$nproc" == 1 ]]; then
   exec python -m x1_pretrain.train "$@" "${extra[@]}"
 fi
 
-X1_RANK0_EXIT_FILE="$(mktemp -t x1-rank0-exit.XXXXXX)"
-export X1_RANK0_EXIT_FILE
+X1_EXIT_DIR="$(mktemp -d -t x1-exit.XXXXXX)"
+export X1_EXIT_DIR
 torchrun --standalone --nproc_per_node="$nproc" --no-python "$0" --worker "$@" "${extra[@]}" &
 launcher=$!
 # docker stop signals this shell only; torchrun passes the signal on to every worker.
@@ -55,8 +56,21 @@ while :; do
   kill -0 "$launcher" 2>/dev/null || break
 done
 
-if [[ -s "$X1_RANK0_EXIT_FILE" ]]; then
-  status="$(<"$X1_RANK0_EXIT_FILE")"
+rank0=""
+[[ -s "$X1_EXIT_DIR/rank0" ]] && rank0="$(<"$X1_EXIT_DIR/rank0")"
+if [[ -n "$rank0" && "$rank0" -lt 128 ]]; then
+  status="$rank0"
+else
+  # Rank 0 was killed (torchrun tears the group down when a peer fails): report the first
+  # other rank that exited on its own with an error, else rank 0's signal death.
+  own=""
+  for ((r = 1; r < nproc; r++)); do
+    f="$X1_EXIT_DIR/rank$r"
+    [[ -s "$f" ]] || continue
+    code="$(<"$f")"
+    if [[ "$code" -ne 0 && "$code" -lt 128 ]]; then own="$code"; break; fi
+  done
+  if [[ -n "$own" ]]; then status="$own"; elif [[ -n "$rank0" ]]; then status="$rank0"; fi
 fi
-rm -f "$X1_RANK0_EXIT_FILE"
+rm -rf "$X1_EXIT_DIR"
 exit "$status"

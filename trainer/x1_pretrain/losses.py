@@ -21,30 +21,10 @@ try:
 except ImportError:  # CPU-only torch builds have no Triton
     triton = None
 
-_BLOCK = 4096
-FWD_KERNEL = "vector"  # per-lane running max/sum ("vector"), or one max per block ("hybrid")
+_BLOCK = 4096  # backward: columns per iteration
 
 
 if triton is not None:
-
-    @triton.jit
-    def _ce_fwd_hybrid_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, V, BLOCK: tl.constexpr):
-        # One max reduction per block, one exp per element (the sum stays per lane until the end).
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * stride
-        m = float("-inf")
-        s = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
-        lse = m + tl.log(tl.sum(s, 0))
-        target = tl.load(targets_ptr + row)
-        x_t = tl.load(base + target).to(tl.float32)
-        tl.store(loss_ptr + row, lse - x_t)
-        tl.store(lse_ptr + row, lse)
 
     @triton.jit
     def _ce_fwd_vec_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, V, BLOCK: tl.constexpr):
@@ -99,10 +79,7 @@ def ce_fwd(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[tor
     n = logits.size(0)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
-    if FWD_KERNEL == "hybrid":
-        _ce_fwd_hybrid_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
-    else:
-        _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
+    _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
     return loss, lse
 
 
