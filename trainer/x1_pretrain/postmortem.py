@@ -94,8 +94,16 @@ def _before(series: Series, step: int) -> tuple[int, float] | None:
     return earlier[-1] if earlier else None
 
 
+def losses(record: RunRecord) -> Series:
+    """The logged losses, with the loss of every flagged step between two log steps added (the
+    trainer logs it as `spike_loss` when the detector fires): a spike's peak is rarely on a log step."""
+    merged = dict(record.get("spike_loss"))
+    merged.update(dict(record.get("loss")))
+    return sorted(merged.items())
+
+
 def analyse(spike: Spike, record: RunRecord, beta: float) -> SpikeFacts:
-    loss = record.get("loss")
+    loss = losses(record)
     logged = [s for s, _ in loss]
     first_after_end = next((s for s in logged if s >= spike.end), None)
     last = first_after_end if first_after_end is not None else spike.end
@@ -183,8 +191,8 @@ def spike_section(n: int, f: SpikeFacts, clip: float, log_every: int, plot: str 
     if plot:
         lines += [f"![loss and grad norm around step {s.start}]({plot})", ""]
     lines += [
-        f"Losses are MLflow's logged values, one every {log_every} steps: a flagged step between two logs shows "
-        "only in the trainer's log line, and the recovery count has that resolution.",
+        f"Losses are MLflow's logged values, one every {log_every} steps, plus the loss of every step the detector "
+        "flagged (`spike_loss`); the recovery count has the resolution of the logged steps.",
         "",
     ]
     return lines
@@ -280,7 +288,7 @@ def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
             + "This file still answers check 5 of the definition of done; say below whether that was expected.",
             "",
         ]
-    loss = record.get("loss")
+    loss = losses(record)
     first, last_step = (loss[0][0], loss[-1][0]) if loss else (0, record.last_step)
     for n, spike in enumerate(spikes, 1):
         facts = analyse(spike, record, beta)
