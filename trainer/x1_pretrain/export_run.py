@@ -576,7 +576,7 @@ def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predic
     injected = record.flagged("spike_injected")
     window = (injected[0], injected[-1]) if injected else None
     plots.loss_curve(out / "loss-curve.png", record.get("loss"), record.get("val_loss"), band=band,
-                     predicted=predicted, title=f"{title}: loss", injection=window)
+                     predicted=predicted, title=f"{title}: loss", injection=window, spikes=record.get("spike_loss"))
     plots.gradnorm_curve(out / "gradnorm-curve.png", record.get("grad_norm"), record.get("param_norm"), clip=clip,
                          title=f"{title}: gradient and parameter norms", injection=window)
     wall = record.get("wall_hours")

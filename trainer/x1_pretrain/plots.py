@@ -72,12 +72,15 @@ def loss_curve(
     predicted: float | None,
     title: str,
     injection: tuple[int, int] | None = None,
+    spikes: Series = (),
 ) -> None:
     """Train and val loss vs step, the seed's expected points where the steps overlap, and the
     definition-of-done band shaded."""
     fig, ax = plt.subplots(figsize=(9, 5))
     if train:
         ax.plot(*_xy(train), color="tab:blue", lw=1.2, label="train loss")
+    if spikes:  # flagged steps fall between log steps: their own losses, or the spike stays invisible
+        ax.plot(*_xy(spikes), "x", color="tab:red", ms=7, mew=1.5, label="loss at a detected spike")
     if val:
         ax.plot(*_xy(val), "o-", color="tab:green", ms=4, lw=1.2, label="val loss")
     last_step = max([s for s, _ in train] + [s for s, _ in val] + [0])
