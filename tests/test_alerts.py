@@ -3,66 +3,23 @@ alert that cannot be delivered is logged without its secrets and never raises.""
 
 from __future__ import annotations
 
-import email
-import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
 
 from budget_sidecar.testing import free_port
+from receivers import Inbox, WebhookReceiver
 from x1_common.alerts import AlertSender
 
 WEBHOOK_TOKEN = "T000/B000/hooksecret9931"
 SMTP_PASSWORD = "smtp-pass-4417"
 
 
-class WebhookReceiver:
-    """A tiny HTTP server that records every POSTed JSON body and answers `status`."""
-
-    def __init__(self) -> None:
-        self.posts: list[dict] = []
-        self.status = 200
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                n = int(self.headers.get("Content-Length", 0))
-                outer.posts.append({"path": self.path, "json": json.loads(self.rfile.read(n))})
-                self.send_response(outer.status)
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/{WEBHOOK_TOKEN}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class Inbox:
-    def __init__(self) -> None:
-        self.messages: list[email.message.Message] = []
-        self.envelopes = []
-
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's name
-        self.envelopes.append(envelope)
-        self.messages.append(email.message_from_bytes(envelope.content))
-        return "250 Message accepted for delivery"
-
-
 @pytest.fixture
 def webhook():
-    r = WebhookReceiver()
+    r = WebhookReceiver(path=f"/services/{WEBHOOK_TOKEN}")
     yield r
     r.close()
 
@@ -97,9 +54,9 @@ def test_an_alert_reaches_the_webhook_and_the_mailbox(webhook: WebhookReceiver, 
     delivered = sender.send("alert-line", "Budget: $30.40 spent", "over the $30.00 alert line", {"cap_usd": 35})
     assert delivered == ["webhook", "email"]
     assert len(webhook.posts) == 1
-    text = webhook.posts[0]["json"]["text"]
+    text = webhook.posts[0]["text"]
     assert "Budget: $30.40 spent" in text and "alert line" in text
-    assert webhook.posts[0]["json"]["attachments"][0]["fields"][0] == {"title": "cap_usd", "value": "35", "short": True}
+    assert webhook.posts[0]["attachments"][0]["fields"][0] == {"title": "cap_usd", "value": "35", "short": True}
     assert len(smtpd.messages) == 1
     msg = smtpd.messages[0]
     assert "Budget: $30.40 spent" in msg["Subject"] and msg["X-X1-Alert-Kind"] == "alert-line"

@@ -15,16 +15,12 @@ Real processes, sockets and files throughout; the fake billing API is the only s
 
 from __future__ import annotations
 
-import email
 import json
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
-from email.message import Message
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -34,6 +30,7 @@ from aiosmtpd.controller import Controller
 
 from budget_sidecar.testing import FakeBilling, ManagedProcess, ProcessExited, Sidecar, wait_until
 from conftest import TINY_CONFIG, cli_env, free_port, start_trainer, train_args
+from receivers import Inbox, WebhookReceiver
 from x1_common.contracts import Heartbeat
 
 pytestmark = pytest.mark.slow
@@ -197,44 +194,10 @@ def assert_key_nowhere(root: Path) -> None:
 # --- alert channels -----------------------------------------------------------------------------------
 
 
-class Webhook:
-    """A real HTTP server standing where the Slack incoming webhook would be."""
-
-    def __init__(self) -> None:
-        self.posts: list[dict[str, Any]] = []
-        posts = self.posts
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                posts.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/T0/B0/e2e-hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class Inbox:
-    def __init__(self) -> None:
-        self.messages: list[Message] = []
-
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's name
-        self.messages.append(email.message_from_bytes(envelope.content))
-        return "250 OK"
-
-
 @pytest.fixture
-def alert_channels() -> Iterator[tuple[dict[str, str], Webhook, Inbox]]:
+def alert_channels() -> Iterator[tuple[dict[str, str], WebhookReceiver, Inbox]]:
     """A webhook receiver and an SMTP server on 127.0.0.1, and the environment that points at them."""
-    webhook, inbox = Webhook(), Inbox()
+    webhook, inbox = WebhookReceiver(path="/services/T0/B0/e2e-hook"), Inbox()
     smtpd = Controller(inbox, hostname="127.0.0.1", port=free_port())
     smtpd.start()
     env = {"SLACK_WEBHOOK_URL": webhook.url, "SMTP_HOST": "127.0.0.1", "SMTP_PORT": str(smtpd.port),
@@ -389,7 +352,7 @@ def tripled_price_run(tmp_path_factory, tiny_data) -> Iterator[dict[str, Any]]:
     """One run, shared by the two tests below: planned at $1.10/h (sidecar: 24 h planned), the
     provider's price tripled once training is under way. Alerts go to a local webhook."""
     root = tmp_path_factory.mktemp("tripled")
-    webhook = Webhook()
+    webhook = WebhookReceiver(path="/services/T0/B0/e2e-hook")
     procs: list[Any] = []
     try:
         fake = FakeBilling.start(root / "logs", provider="lambda", instance_id="inst-1", api_key=KEY,

@@ -4,7 +4,6 @@ real SMTP server), the first-reading wait, the pre-launch sentence, and the dry 
 
 from __future__ import annotations
 
-import email
 import json
 import logging
 import subprocess
@@ -12,13 +11,13 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from aiosmtpd.controller import Controller
 
 from budget_sidecar.testing import Sidecar, free_port
+from receivers import Inbox, WebhookReceiver
 from x1_common.alerts import AlertSender
 from x1_pretrain.budget_guard import Action, BudgetGuard, NullGuard, dry_run, read_source
 from x1_pretrain.config import BudgetConfig, ConfigError
@@ -310,41 +309,9 @@ def test_half_configured_alerts_are_a_config_error(monkeypatch, budget_file) -> 
 # --- alerts delivered for real --------------------------------------------------------------------
 
 
-class Receiver:
-    def __init__(self) -> None:
-        self.posts: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                outer.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *a) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook/guard-secret-77"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class Inbox:
-    def __init__(self) -> None:
-        self.messages: list[email.message.Message] = []
-
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802
-        self.messages.append(email.message_from_bytes(envelope.content))
-        return "250 OK"
-
-
 @pytest.fixture
 def channels():
-    receiver, inbox = Receiver(), Inbox()
+    receiver, inbox = WebhookReceiver(path="/hook/guard-secret-77"), Inbox()
     smtpd = Controller(inbox, hostname="127.0.0.1", port=free_port())
     smtpd.start()
     env = {"SLACK_WEBHOOK_URL": receiver.url, "SMTP_HOST": "127.0.0.1", "SMTP_PORT": str(smtpd.port),

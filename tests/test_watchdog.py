@@ -10,11 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, cli_env, free_port, run_module
+from receivers import WebhookReceiver
 from x1_common.contracts import end_reason
 
 STUB = Path(__file__).with_name("stub_trainer.py")
@@ -167,41 +166,13 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-class SlackReceiver:
-    """A real HTTP server standing where Slack's incoming webhook would be."""
-
-    def __init__(self) -> None:
-        self.posts: list[dict[str, Any]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                receiver.posts.append(json.loads(body))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/T000/B000/secret-hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 # --------------------------------------------------------------------------------------------
 # SPEC §3: final codes stop, and stay stopped
 
 
 @pytest.fixture
-def slack() -> Iterator[SlackReceiver]:
-    receiver = SlackReceiver()
+def slack() -> Iterator[WebhookReceiver]:
+    receiver = WebhookReceiver(path="/services/T000/B000/secret-hook")
     try:
         yield receiver
     finally:
@@ -209,7 +180,7 @@ def slack() -> Iterator[SlackReceiver]:
 
 
 @pytest.mark.parametrize("code", [0, 2, 76, 77, 78, 79])
-def test_final_exit_code_is_never_relaunched_even_by_a_restarted_watchdog(wd: Workdir, slack: SlackReceiver, code: int):
+def test_final_exit_code_is_never_relaunched_even_by_a_restarted_watchdog(wd: Workdir, slack: WebhookReceiver, code: int):
     env = cli_env(SLACK_WEBHOOK_URL=slack.url)
     rc = wd.run(["--steps", "1", "--step-seconds", "0.05", "--exit-code", str(code)], env=env)
     assert rc == code, wd.log()
@@ -252,7 +223,7 @@ def test_reset_state_starts_a_new_run_after_a_final_decision(wd: Workdir):
 
 
 def test_trainer_that_crashes_every_time_is_given_up_after_max_restarts_with_an_alert(
-    wd: Workdir, slack: SlackReceiver
+    wd: Workdir, slack: WebhookReceiver
 ):
     env = cli_env(SLACK_WEBHOOK_URL=slack.url)
     rc = wd.run(["--steps", "5", "--step-seconds", "0.01", "--crash"], "--max-restarts", "2", env=env)
