@@ -296,11 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ConfigError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a corrupt file
-        if type(e).__name__ != "SafetensorError":
-            raise
-        print(f"error: {args.checkpoint}: not a readable safetensors file: {e}", file=sys.stderr)
-        return ExitCode.USAGE
     print(f"wrote {out}")
     return ExitCode.FINISHED
 

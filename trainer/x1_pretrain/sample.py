@@ -131,11 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ConfigError, RuntimeError) as e:
         print(f"error: --checkpoint {args.checkpoint}: {e}", file=sys.stderr)
         return ExitCode.USAGE
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a corrupt file
-        if type(e).__name__ != "SafetensorError":
-            raise
-        print(f"error: --checkpoint {args.checkpoint}: not a readable safetensors file: {e}", file=sys.stderr)
-        return ExitCode.USAGE
 
     prompt_ids = [EOT_TOKEN, *encode_document(args.prompt)]
     generator = torch.Generator(device=device).manual_seed(args.seed)

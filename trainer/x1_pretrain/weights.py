@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from x1_common.fsutil import write_bytes_atomic
@@ -51,9 +51,16 @@ def save_weights(path: str | os.PathLike[str], state: dict[str, torch.Tensor], m
     write_bytes_atomic(path, weights_bytes(state, model_cfg, extra))
 
 
+def _open(path: str | os.PathLike[str]):
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as e:  # truncated, corrupt, or not safetensors at all
+        raise ConfigError(f"{path}: not a readable safetensors file: {e}") from None
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Our metadata ({"format", "model_config", "step", ...}); {} for a file that has none."""
-    with safe_open(str(path), framework="pt") as f:
+    with _open(path) as f:
         raw = (f.metadata() or {}).get(METADATA_KEY)
     try:
         return json.loads(raw) if raw else {}
@@ -68,8 +75,11 @@ def load_weights(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],
     if "model_config" not in metadata:
         raise ConfigError(f"{path}: no model config in the safetensors metadata; not an X1 weights file")
     cfg = model_config_from_json(json.dumps(metadata["model_config"]))
-    with safe_open(str(path), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    with _open(path) as f:
+        try:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        except SafetensorError as e:
+            raise ConfigError(f"{path}: not a readable safetensors file: {e}") from None
     return state, cfg, metadata
 
 
