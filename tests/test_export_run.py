@@ -14,11 +14,7 @@ import json
 import math
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -28,9 +24,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import free_port, run_module, train_args
+from conftest import cli_env, free_port, run_module, train_args
 from x1_common.contracts import BudgetReading, utc_now
 from x1_common.fsutil import sha256_file
+from x1_pretrain.stack import mlflow_server, wait_until
 
 SPIKE_AT = 50
 TOTAL_STEPS = 70
@@ -129,38 +126,14 @@ def assert_png(path: Path) -> None:
 
 
 @contextmanager
-def mlflow_server(db: Path, workdir: Path) -> Iterator[str]:
+def real_mlflow_server(db: Path, workdir: Path) -> Iterator[str]:
     """A real `mlflow server` on a free port of 127.0.0.1, over a sqlite backend."""
-    port = free_port()
-    log = open(workdir / "mlflow-server.log", "wb")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination",
-         str(workdir / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server = mlflow_server(db, workdir / "artifacts", free_port(), workdir / "mlflow-server.log", cli_env())
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (workdir / "mlflow-server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not answer /health in 120 s"
-            time.sleep(0.3)
-        yield url
+        wait_until(server.healthy, 120, "mlflow server /health")
+        yield server.url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the uvicorn worker goes too
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        log.close()
+        server.stop(grace=15)
 
 
 def new_run(uri: str, like: SpikedRun, metrics: list[tuple[str, float, int, int]], tags: dict[str, str] | None = None,
@@ -267,7 +240,7 @@ def test_export_through_a_real_mlflow_server_matches_sqlite_and_hides_credential
     db = tmp_path / "served.db"
     shutil.copyfile(spiked_run.db, db)
     password = "pw-9b3e71c4"
-    with mlflow_server(db, tmp_path) as url:
+    with real_mlflow_server(db, tmp_path) as url:
         uri = url.replace("http://", f"http://x1user:{password}@")
         proc = run_module("x1_pretrain.export_run", "--mlflow-uri", uri, "--output", str(tmp_path / "run"),
                           "--ckpt-dir", str(spiked_run.ckpt))

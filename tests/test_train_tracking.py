@@ -6,48 +6,30 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
-
-import pytest
 
 from conftest import cli_env, free_port, run_module, start_trainer, train_args
 from x1_common.contracts import Heartbeat
+from x1_pretrain.stack import Service, mlflow_server, signal_group, wait_until
 
-MLFLOW = Path(sys.executable).with_name("mlflow")
 STEPS = 60  # logs every 5 steps (train_args), evals every 20
 
 
-def start_mlflow(root: Path, port: int) -> subprocess.Popen:
-    log = open(root / f"mlflow-{port}.log", "ab")
-    proc = subprocess.Popen(
-        [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=root, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+def start_mlflow(root: Path, port: int) -> Service:
+    server = mlflow_server(root / "mlflow.db", root / "artifacts", port, root / f"mlflow-{port}.log", cli_env())
+    wait_until(server.healthy, 120, "mlflow server /health")
+    return server
+
+
+def stop(trainer: subprocess.Popen) -> None:
+    if trainer.poll() is None:
+        signal_group(trainer.pid, signal.SIGTERM)
         try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.5)
-        assert proc.poll() is None, (root / f"mlflow-{port}.log").read_text()[-2000:]
-    raise AssertionError("mlflow server did not answer /health")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    import os
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
+            trainer.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            signal_group(trainer.pid, signal.SIGKILL)
+            trainer.wait()
 
 
 def heartbeat_step(ckpt: Path) -> int:
@@ -71,7 +53,6 @@ def logged_steps(uri: str, key: str) -> list[int]:
     return sorted({m.step for m in client.get_metric_history(run.info.run_id, key)})
 
 
-@pytest.mark.skipif(not MLFLOW.exists(), reason="the mlflow server is not installed beside this python")
 def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, tiny_data):
     port = free_port()
     server = start_mlflow(tmp_path, port)
@@ -80,7 +61,7 @@ def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, tiny_data):
     trainer = start_trainer(train_args(tiny_data, ckpt, uri, total=STEPS), tmp_path / "train.log")
     try:
         wait_step(ckpt, trainer, 15)
-        stop(server)  # the server goes away; training must not notice
+        server.stop()  # the server goes away; training must not notice
         down_at = heartbeat_step(ckpt)
         wait_step(ckpt, trainer, down_at + 15)
         server = start_mlflow(tmp_path, port)
@@ -93,7 +74,7 @@ def test_metrics_survive_a_tracking_server_restart_mid_run(tmp_path, tiny_data):
         assert logged_steps(uri, "val_loss") == [20, 40, 60]
     finally:
         stop(trainer)
-        stop(server)
+        server.stop()
 
 
 def test_a_sqlite_tracking_uri_records_the_run_with_its_config_and_tags(tmp_path, tiny_data):

@@ -317,6 +317,20 @@ class Service:
         return self.proc.returncode
 
 
+def mlflow_server(db: Path, artifacts: Path, port: int, log_path: Path, env: dict[str, str]) -> Service:
+    """A real `mlflow server` on 127.0.0.1:port over a sqlite backend (the demo, and tests)."""
+    return Service(
+        "mlflow-server",
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{db.resolve()}",
+         "--artifacts-destination", str(artifacts.resolve()), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        log_path,
+        # MLflow 3's job runner (huey workers) is not used here and costs a core at start.
+        dict(env, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+        url=f"http://127.0.0.1:{port}", health_path="/health",
+    )
+
+
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -456,17 +470,10 @@ class Stack:
                           url=f"http://127.0.0.1:{port}", health_path="/healthz")
 
     def start_mlflow(self) -> Service:
-        port = self.ports.mlflow
-        return self.start(
-            "mlflow-server",
-            [sys.executable, "-m", "mlflow", "server",
-             "--backend-store-uri", f"sqlite:///{self.ws.mlruns.resolve()}/mlflow.db",
-             "--artifacts-destination", str(self.ws.mlruns.resolve() / "artifacts"),
-             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-            # MLflow 3's job runner (huey workers) is not used here and costs a core at start.
-            env=self.env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
-            url=f"http://127.0.0.1:{port}", health_path="/health",
-        )
+        service = mlflow_server(self.ws.mlruns / "mlflow.db", self.ws.mlruns / "artifacts", self.ports.mlflow,
+                                self.ws.log("mlflow-server"), self.env())
+        self.services.append(service)
+        return service
 
     @property
     def mlflow_uri(self) -> str:
