@@ -153,7 +153,6 @@ class Run:
     peak_tflops: float
     measured_peak_tflops: float | None
     throughput: Throughput = field(default_factory=Throughput)
-    started: float = field(default_factory=time.time)
     last_saved_step: int = -1
     floor_warned_at: float = 0.0
 
@@ -225,10 +224,8 @@ def train_loop(run: Run) -> int:
             with run.throughput.pause():
                 save_checkpoint(run, step)
 
-        # 8. budget (rank 0 reads; the decision reaches every rank through `agree`)
+        # 8. budget (rank 0 reads and logs its decision; it reaches every rank through `agree`)
         budget = run.guard.maybe_check()
-        if budget.exit_code is not None:
-            log.warning("budget: %s", budget.reason)
 
         # 9. stop?
         code = D.agree(run.dist, run.stop.code, budget.exit_code or 0)
@@ -358,6 +355,8 @@ def save_checkpoint(run: Run, step: int) -> None:
     model_state, optim_state = full_states(run)
     if run.dist.is_main:
         run.state.spike = run.detector.state()
+        # Windows are a pure function of (seed, step, sample index): the step is the position.
+        run.state.sampler = {"seed": run.cfg.train.seed, "next_step": step}
         run.state.rng = capture_rng()
         run.state.mlflow_run_id = run.sink.run_id or run.state.mlflow_run_id
         run.state.micro_batch_size = run.micro_batch
@@ -529,16 +528,16 @@ def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
     return loaded
 
 
-def run_started_before(cfg: RunConfig, d: D.Dist) -> float | None:
-    """When a run that crashed before its first checkpoint first started (mlflow-run.json)."""
+def earlier_start(cfg: RunConfig) -> dict[str, Any]:
+    """What a start of this same run (same config hash) that died before its first checkpoint left
+    in mlflow-run.json: its MLflow run id, tracking URI and start time. {} when there is none."""
     import json
 
-    path = Path(cfg.checkpoint.dir) / "mlflow-run.json"
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads((Path(cfg.checkpoint.dir) / "mlflow-run.json").read_text())
     except (OSError, ValueError):
-        return None
-    return saved.get("started") if saved.get("config_hash") == cfg.config_hash() else None
+        return {}
+    return saved if isinstance(saved, dict) and saved.get("config_hash") == cfg.config_hash() else {}
 
 
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str):
@@ -555,12 +554,9 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
                                      "started": state.run_started})
 
     run_id = state.mlflow_run_id
-    if run_id is None and run_file.is_file() and state.step == 0:  # crashed before its first checkpoint
-        import json
-
-        saved = json.loads(run_file.read_text())
-        if saved.get("config_hash") == state.config_hash and saved.get("uri") == cfg.tracking.mlflow_uri:
-            run_id = saved.get("run_id")
+    if run_id is None and state.step == 0:  # an earlier start died before its first checkpoint
+        earlier = earlier_start(cfg)
+        run_id = earlier.get("run_id") if earlier.get("uri") == cfg.tracking.mlflow_uri else None
     tags = {"x1.config_hash": state.config_hash, "x1.git_sha": git_sha(), "x1.world_size": str(d.world_size),
             "x1.ckpt_dir": str(Path(cfg.checkpoint.dir).resolve()), "x1.data_dir": str(Path(cfg.data.dir).resolve()),
             "x1.seed": str(cfg.train.seed), "x1.config_name": cfg.name}
@@ -689,10 +685,9 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         log.info("resuming from %s at step %d (%d tokens seen)", loaded.path, state.step, state.tokens_seen)
     else:
         state = TrainerState(step=0, tokens_seen=0, config_hash=cfg.config_hash(), config=cfg.resolved(),
-                             sampler={"seed": cfg.train.seed}, world_size=d.world_size,
-                             run_started=run_started_before(cfg, d) or time.time())
+                             sampler={}, world_size=d.world_size,
+                             run_started=earlier_start(cfg).get("started") or time.time())
     state.world_size = d.world_size
-    state.sampler = {"seed": cfg.train.seed, "next_step": state.step}
     if state.step >= cfg.train.total_steps and loaded is None:
         raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
 
