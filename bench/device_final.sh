@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU, serially: kernel correctness, the plain reference, then our shipped config (bare step,
-# full loop, profile), then further variants while time allows.
+# One GPU, serially: kernel correctness, the plain reference, the head + loss micro-benchmark, then
+# our shipped config (bare step, full loop, profile), then further variants while time allows.
 # REFERENCE=... DATA=... OUT=... MORE="a b" DEADLINE=s bash bench/device_final.sh
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -10,6 +10,7 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/
 tail -2 "$OUT/variants.txt"
 timeout 150 python3 "$REFERENCE" > "$OUT/reference.txt" 2>&1
 PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt")
+timeout 90 python3 bench/head_ce.py --json "$OUT/head.jsonl" > "$OUT/head.txt" 2>&1
 timeout 120 python3 bench/train_throughput.py --variant shipped --data-dir "$DATA" --steps 10 --loop-steps 30 --profile \
     --peak-tflops "${PEAK:-790}" --json "$OUT/ours.jsonl" 2>&1 | grep -v "^preflight" >> "$OUT/variants.txt"
 for v in ${MORE:-}; do

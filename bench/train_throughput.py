@@ -52,8 +52,12 @@ def matmul_peak_tflops() -> float:
 VARIANTS: dict[str, dict] = {
     "plain": {"sets": ["model.pad_vocab_to_multiple_of=1", "train.kernels=torch"]},
     "padded": {"sets": ["train.kernels=torch"]},
-    "shipped": {"sets": []},  # the config as shipped: padded vocab + our CE, RoPE and SwiGLU kernels
-    "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False}},
+    "shipped": {"sets": []},  # as shipped: padded vocab, head + loss as one op, RoPE and SwiGLU kernels
+    "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False,
+                           "x1_pretrain.model.FUSED_HEAD": False}},
+    "no-fused-head": {"patch": {"x1_pretrain.model.FUSED_HEAD": False}},  # F.linear, then the CE op
+    "ce-online": {"patch": {"x1_pretrain.losses.CE_GRAD_KERNEL": {"BLOCK": 16384, "ONLINE": 1, "num_warps": 32}}},
+    "ce-block8k": {"patch": {"x1_pretrain.losses.CE_GRAD_KERNEL": {"BLOCK": 8192, "ONLINE": 0, "num_warps": 16}}},
     "no-rope-kernel": {"patch": {"x1_pretrain.model.FUSED_ROPE": False}},
     "no-swiglu-kernel": {"patch": {"x1_pretrain.model.FUSED_SWIGLU": False}},
     "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},

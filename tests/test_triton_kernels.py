@@ -1,0 +1,80 @@
+"""The Triton kernels, checked on a machine without a GPU.
+
+- Compiled ahead of time for Ampere (A100) and Hopper (H100/H200) with the constants the ops
+  launch them with: a type error or a kernel that does not fit shows here, not first on a rented
+  GPU.
+- Run through Triton's interpreter (TRITON_INTERPRET=1, CPU tensors, numpy) against the PyTorch
+  paths: the op tests of test_kernels.py and test_losses.py, in a child process, since Triton
+  reads the variable when a kernel is defined.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import x1_pretrain.kernels as kernels  # noqa: E402
+import x1_pretrain.losses as losses  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+P = "*bf16"  # tensors as the training step passes them
+
+
+def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
+    return {n: types.get(n, "i32") for n in names.split()}
+
+
+# (kernel, signature by parameter, constexprs, num_warps): the launches of kernels.py and losses.py
+# for the 50M model (12 heads, 4 KV heads, head dim 64, d_ff 2048).
+ROPE = {"H": 12, "HKV": 4, "HD": 64, "BLOCK_N": 64}
+LAUNCHES = [
+    (kernels._rope_fwd_kernel, _sig("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr N T",
+                                    {"qkv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": P, "k_ptr": P, "v_ptr": P}),
+     ROPE, 4),
+    (kernels._rope_bwd_kernel, _sig("dq_ptr dk_ptr dv_ptr cos_ptr sin_ptr out_ptr N T qb qt qh qd kb kt kh kd vb vt vh vd",
+                                    {"dq_ptr": P, "dk_ptr": P, "dv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": P}),
+     ROPE, 4),
+    (kernels._swiglu_fwd_kernel, _sig("gu_ptr h_ptr total", {"gu_ptr": P, "h_ptr": P}), {"F_": 2048, "BLOCK": 2048}, 8),
+    (kernels._swiglu_bwd_kernel, _sig("gu_ptr dh_ptr dgu_ptr total", {"gu_ptr": P, "dh_ptr": P, "dgu_ptr": P}),
+     {"F_": 2048, "BLOCK": 2048}, 8),
+    (losses._ce_fwd_vec_kernel, _sig("logits_ptr stride targets_ptr loss_ptr lse_ptr V",
+                                     {"logits_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32"}),
+     {"BLOCK": 2048}, 8),
+    (losses._ce_bwd_kernel, _sig("logits_ptr stride grad_ptr targets_ptr lse_ptr dloss_ptr V Vp",
+                                 {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "lse_ptr": "*fp32", "dloss_ptr": "*fp32"}),
+     {"BLOCK": losses._BLOCK}, 16),
+] + [
+    (losses._ce_fwd_grad_kernel, _sig("logits_ptr stride grad_ptr targets_ptr loss_ptr V Vp scale",
+                                      {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32", "scale": "fp32"}),
+     {"BLOCK": shape["BLOCK"], "ONLINE": online}, shape["num_warps"])
+    for shape in (losses.CE_GRAD_KERNEL,) for online in (0, 1)
+]
+
+
+@pytest.mark.parametrize("arch", [80, 90], ids=["ampere", "hopper"])
+def test_every_kernel_compiles_for_ampere_and_hopper(arch):
+    for kernel, signature, constants, warps in LAUNCHES:
+        signature = dict(signature, **{name: "constexpr" for name in constants})
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin for sm_{arch}"
+
+
+def test_kernels_pass_the_op_tests_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_kernels.py", "tests/test_losses.py"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    # The kernels ran, not the CPU fallbacks:
+    assert "PASSED tests/test_losses.py::test_the_interpreter_sends_cpu_tensors_through_the_triton_kernels" in out.stdout
