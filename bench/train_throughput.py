@@ -52,12 +52,8 @@ def matmul_peak_tflops() -> float:
 VARIANTS: dict[str, dict] = {
     "plain": {"sets": ["model.pad_vocab_to_multiple_of=1", "train.kernels=torch"]},
     "padded": {"sets": ["train.kernels=torch"]},
-    "shipped": {"sets": []},  # as shipped: padded vocab, head + loss as one op, RoPE and SwiGLU kernels
-    "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False,
-                           "x1_pretrain.model.FUSED_HEAD": False}},
-    "no-fused-head": {"patch": {"x1_pretrain.model.FUSED_HEAD": False}},  # F.linear, then the CE op
-    "ce-online": {"patch": {"x1_pretrain.losses.CE_GRAD_KERNEL": {"BLOCK": 16384, "ONLINE": 1, "num_warps": 32}}},
-    "ce-block8k": {"patch": {"x1_pretrain.losses.CE_GRAD_KERNEL": {"BLOCK": 8192, "ONLINE": 0, "num_warps": 16}}},
+    "shipped": {"sets": []},  # the config as shipped: padded vocab + our CE, RoPE and SwiGLU kernels
+    "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False}},
     "no-rope-kernel": {"patch": {"x1_pretrain.model.FUSED_ROPE": False}},
     "no-swiglu-kernel": {"patch": {"x1_pretrain.model.FUSED_SWIGLU": False}},
     "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},
@@ -82,6 +78,26 @@ def resolve_variant(name: str) -> dict:
         out["sdpa"] = v.get("sdpa", out["sdpa"])
         out["patch"].update(v.get("patch", {}))
     return out
+
+
+def gpu_idle(trace: Path, top: int = 10) -> dict:
+    """From a Chrome trace: the GPU's span over the profiled step, the time no kernel, copy or
+    memset ran in it, and the longest such gaps with the kernels either side."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    work = sorted((e["ts"], e["ts"] + e["dur"], e["name"][:60]) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    gaps, idle = [], 0.0
+    busy_until, last = work[0][1], work[0][2]
+    for start, end, name in work[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, last, name))
+            idle += start - busy_until
+        if end > busy_until:
+            busy_until, last = end, name
+    gaps.sort(reverse=True)
+    return {"span_ms": round((busy_until - work[0][0]) / 1000, 2), "idle_ms": round(idle / 1000, 2),
+            "gaps_over_50us": sum(g[0] > 50 for g in gaps),
+            "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
 def apply_patches(patches: dict) -> None:
@@ -110,7 +126,8 @@ def main() -> int:
     p.add_argument("--variant", help=f"a named lever, or several joined by +: {', '.join(VARIANTS)}")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--sdpa", choices=["flash", "cudnn", "efficient", "math"])
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one bare step")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one bare step and its GPU idle time")
+    p.add_argument("--trace", help="with --profile: keep the step's Chrome trace here")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps timed for the bare step")
     p.add_argument("--loop-steps", type=int, default=30, help="optimizer steps of the full loop (0 skips it)")
     p.add_argument("--peak-tflops", type=float, help="measured matmul peak (measured here when omitted)")
@@ -160,7 +177,7 @@ def main() -> int:
         loss, _ = T.accumulate(run, step)
         torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.optim.grad_clip)
         run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        run.optimizer.zero_grad(set_to_none=not run.cudagraphs)
 
     one_step(0)  # first real step: finishes autotuning / graph capture
     sync()
@@ -176,6 +193,10 @@ def main() -> int:
             one_step(args.steps + 1)
             sync()
         print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30), flush=True)
+        if cuda:
+            trace = Path(args.trace or work / "trace.json")
+            prof.export_chrome_trace(str(trace))
+            print(json.dumps({"gpu_timeline": gpu_idle(trace)}), flush=True)
         run.batches.close()
         run.batches = run.make_batches(args.steps + 2, run.micro_batch, run.grad_accum)
         run.state.step = args.steps + 2

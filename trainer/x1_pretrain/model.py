@@ -29,7 +29,6 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 # to measure what it brings (docs/PERFORMANCE.md).
 FUSED_ROPE = True
 FUSED_SWIGLU = True
-FUSED_HEAD = True  # training: head matmul + loss as one op (losses.linear_cross_entropy)
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -227,13 +226,6 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in fp32. idx, targets: (B, T) int64."""
         h = self.hidden(idx)
-        if self.fused_loss and FUSED_HEAD and torch.is_grad_enabled():
-            from x1_pretrain.losses import linear_cross_entropy
-
-            # The op multiplies in h's dtype, so h takes the autocast dtype F.linear would use.
-            if torch.is_autocast_enabled(h.device.type):
-                h = h.to(torch.get_autocast_dtype(h.device.type))
-            return linear_cross_entropy(h, self.tok_emb.weight, targets, self.cfg.vocab_size)
         logits = F.linear(h, self.tok_emb.weight)  # (B, T, padded V); tied head
         if self.fused_loss:
             from x1_pretrain.losses import fused_cross_entropy

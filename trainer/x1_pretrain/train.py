@@ -153,6 +153,7 @@ class Run:
     peak_tflops: float
     measured_peak_tflops: float | None
     throughput: Throughput = field(default_factory=Throughput)
+    cudagraphs: bool = False  # compiled with a mode that replays CUDA graphs
     last_saved_step: int = -1
     floor_warned_at: float = 0.0
 
@@ -199,7 +200,9 @@ def train_loop(run: Run) -> int:
             log.warning("step %d: non-finite loss %s / grad norm %s: optimizer step skipped (%d in a row)",
                         step, loss_v, grad_norm_v, run.state.nonfinite_in_row)
             run.sink.log(step, {"nonfinite_step": 1.0})
-        run.optimizer.zero_grad(set_to_none=True)
+        # Under CUDA graphs the gradients stay allocated: the first backward of a step would
+        # otherwise take the graph's output buffer as .grad, which the next replay overwrites.
+        run.optimizer.zero_grad(set_to_none=not run.cudagraphs)
         step += 1
         run.state.step = step
         run.state.tokens_seen += cfg.train.tokens_per_step
@@ -238,6 +241,8 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
     """Forward and backward over grad_accum micro-batches. Returns (mean loss, interrupted)."""
     total = torch.zeros((), device=run.dist.device)
     for micro in range(run.grad_accum):
+        if run.cudagraphs:  # each micro-step is a new replay; the last one's outputs are consumed
+            torch.compiler.cudagraph_mark_step_begin()
         s, m, x, y = next(run.batches)
         assert (s, m) == (step, micro), f"batch order broken: got {(s, m)} for {(step, micro)}"
         if run.injector.active(step, run.detector):
@@ -628,6 +633,10 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
             torch.cuda.empty_cache()
             continue
         break
+    run.cudagraphs = mode in ("reduce-overhead", "max-autotune")
+    if run.cudagraphs:  # see the loop's zero_grad
+        for p in raw.parameters():
+            p.grad = torch.zeros_like(p)
     if mode is not None:
         log.info("torch.compile mode=%s: first step in %.1f s", mode, time.perf_counter() - t)
         (ckpt_root / "compile-deaths.json").unlink(missing_ok=True)
