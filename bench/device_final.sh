@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU, serially: kernel correctness, the plain reference, the head + loss micro-benchmark, then
 # our shipped config (bare step, full loop, profile), then further variants while time allows.
-# REFERENCE=... DATA=... OUT=... MORE="a b" DEADLINE=s bash bench/device_final.sh
+# REFERENCE=... DATA=... OUT=... MORE="a b" [MORE_LOOP=20] DEADLINE=s bash bench/device_final.sh
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}"
@@ -15,7 +15,7 @@ timeout 120 python3 bench/train_throughput.py --variant shipped --data-dir "$DAT
     --peak-tflops "${PEAK:-790}" --json "$OUT/ours.jsonl" 2>&1 | grep -v "^preflight" >> "$OUT/variants.txt"
 for v in ${MORE:-}; do
   [ "$SECONDS" -gt "${DEADLINE:-200}" ] && { echo "skipped $v: past the deadline" >> "$OUT/variants.txt"; continue; }
-  timeout 80 python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps 10 --loop-steps 0 \
+  timeout 120 python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps 10 --loop-steps "${MORE_LOOP:-0}" \
       --peak-tflops "${PEAK:-790}" --json "$OUT/ours.jsonl" 2>&1 | grep -v "^preflight" >> "$OUT/variants.txt"
 done
 python3 bench/report.py --reference "$OUT/reference.txt" --ours "$OUT/ours.jsonl" | tee "$OUT/table.md"

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 N, D, V, VP = 32 * 1024, 768, 50257, 50304
+FWD_SHAPES = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -57,6 +58,10 @@ def main() -> int:
     ):
         ms = time_ms(fn)
         rows.append({"what": what, "ms": round(ms, 3), "TB_per_s": round(passes * gb / ms, 2)})
+    loss = torch.empty(N, device="cuda")
+    for block, warps in FWD_SHAPES:  # the forward kernel's other launch shapes
+        ms = time_ms(lambda b=block, w=warps: losses._ce_fwd_vec_kernel[(N,)](logits, VP, targets, loss, lse, V, BLOCK=b, num_warps=w))
+        rows.append({"what": f"kernel: forward, BLOCK={block} warps={warps}", "ms": round(ms, 3), "TB_per_s": round(gb / ms, 2)})
 
     h = (torch.randn(N, D, device="cuda") * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(VP, D, device="cuda") * 0.05).requires_grad_()  # fp32 master, as in training

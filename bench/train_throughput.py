@@ -56,6 +56,7 @@ VARIANTS: dict[str, dict] = {
     "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False}},
     "no-rope-kernel": {"patch": {"x1_pretrain.model.FUSED_ROPE": False}},
     "no-swiglu-kernel": {"patch": {"x1_pretrain.model.FUSED_SWIGLU": False}},
+    "sdpa-auto": {"sets": ["train.sdpa=auto"]},  # PyTorch's own order: cuDNN first on H100/H200
     "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},
     "sdpa-flash": {"sets": [], "sdpa": "flash"},
     "sdpa-efficient": {"sets": [], "sdpa": "efficient"},
