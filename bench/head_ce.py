@@ -21,6 +21,7 @@ sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 N, D, V, VP = 32 * 1024, 768, 50257, 50304
 FWD_SHAPES = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
+BWD_SHAPES = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32)]
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -62,6 +63,11 @@ def main() -> int:
     for block, warps in FWD_SHAPES:  # the forward kernel's other launch shapes
         ms = time_ms(lambda b=block, w=warps: losses._ce_fwd_vec_kernel[(N,)](logits, VP, targets, loss, lse, V, BLOCK=b, num_warps=w))
         rows.append({"what": f"kernel: forward, BLOCK={block} warps={warps}", "ms": round(ms, 3), "TB_per_s": round(gb / ms, 2)})
+    grad = torch.empty_like(logits)
+    for block, warps in BWD_SHAPES:
+        ms = time_ms(lambda b=block, w=warps: losses._ce_bwd_kernel[(N,)](logits, VP, grad, targets, lse, dloss, V, VP,
+                                                                          BLOCK=b, num_warps=w))
+        rows.append({"what": f"kernel: backward, BLOCK={block} warps={warps}", "ms": round(ms, 3), "TB_per_s": round(2 * gb / ms, 2)})
 
     h = (torch.randn(N, D, device="cuda") * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(VP, D, device="cuda") * 0.05).requires_grad_()  # fp32 master, as in training

@@ -111,10 +111,6 @@ class TrainConfig(_Section):
     kernels: Literal["auto", "torch", "triton"] = Field(
         "auto", description="our Triton kernels for cross-entropy, RoPE and SwiGLU (CUDA); auto = on when Triton runs"
     )
-    sdpa: Literal["flash", "auto"] = Field(
-        "flash", description="attention through PyTorch SDPA on CUDA: flash = its flash kernel, measured faster here "
-        "than cuDNN's, which PyTorch tries first on H100/H200 (auto)"
-    )
     log_every: int = Field(10, ge=1, description="steps between metric logs (--log-every)")
     eval_every: int = Field(1800, ge=1, description="steps between val evals (--eval-every)")
     eval_windows: int = Field(128, ge=1, description="fixed val windows per eval (x seq_len tokens)")

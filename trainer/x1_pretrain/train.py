@@ -665,8 +665,6 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        # Flash comes right after cuDNN in SDPA's order; efficient and math stay for masked calls.
-        torch.backends.cuda.enable_cudnn_sdp(cfg.train.sdpa == "auto")
     else:
         # Bit-exact CPU resumes need the same reductions run to run.
         torch.use_deterministic_algorithms(True, warn_only=True)
