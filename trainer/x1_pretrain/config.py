@@ -106,7 +106,8 @@ class TrainConfig(_Section):
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: cuda when available")
     compile: bool = Field(True, description="torch.compile the model; falls back to eager, and says so, if it fails")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="default: max-autotune measured no faster on this model for minutes more compile"
+        "default", description="default: max-autotune measured no faster on this model for minutes more compile; "
+        "reduce-overhead (CUDA graphs) runs with accumulation but measured within noise of default"
     )
     kernels: Literal["auto", "torch", "triton"] = Field(
         "auto", description="our Triton kernels for cross-entropy, RoPE and SwiGLU (CUDA); auto = on when Triton runs"
