@@ -42,10 +42,12 @@ bench-tokenize: $(STAMP)
 
 # The GPU benchmark runs on a machine with a CUDA GPU, from the repo root, beside the plain
 # reference (a copy of the reference script must be reachable as REFERENCE):
-#   REFERENCE=path/to/reference_50m.py bash bench/gpu_run.sh
+#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized bash bench/gpu_run.sh
 bench-gpu:
 	@echo "On the GPU host, from the repo root:"
-	@echo "  PYTHONPATH=x1_common/..:trainer REFERENCE=path/to/reference_50m.py bash bench/gpu_run.sh"
+	@echo "  REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized bash bench/gpu_run.sh"
+	@echo "On a 2-GPU host, the scaling run (1 GPU, then DDP and FSDP2 on 2, then the reference):"
+	@echo "  REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized bash bench/device_scaling.sh"
 
 clean:
 	rm -rf demo-workspace .pytest_cache
