@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what the GPU builds of Triton do by default
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
