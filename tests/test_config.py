@@ -89,3 +89,8 @@ def test_resolved_config_round_trips_through_json():
     cfg = load_config(CONFIGS / "x1-50m-a100.yaml")
     again = config_from_dict(json.loads(json.dumps(cfg.resolved())))
     assert again == cfg and again.config_hash() == cfg.config_hash()
+
+
+def test_on_and_off_mean_the_words_not_yaml_booleans():
+    assert load_config(TINY_CONFIG, ["optim.fused=off"]).optim.fused == "off"
+    assert load_config(TINY_CONFIG, ["optim.fused=on"]).optim.fused == "on"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -87,6 +87,12 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.1, ge=0, description="on matrices only, never on norms or the embedding")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
     fused: Literal["auto", "on", "off"] = Field("auto", description="fused AdamW kernel: auto = on CUDA")
+
+    @field_validator("fused", mode="before")
+    @classmethod
+    def _on_off(cls, v: object) -> object:
+        # YAML reads a bare on / off (in a file or in --set) as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _lrs(self) -> OptimConfig:
