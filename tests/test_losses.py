@@ -1,4 +1,5 @@
-"""The fused cross-entropy: same loss and gradient as F.cross_entropy, padded columns excluded. On the CPU they run their PyTorch paths, or the Triton kernels themselves under
+"""The fused cross-entropy: same loss and gradient as F.cross_entropy, padded columns excluded.
+On the CPU the ops run their PyTorch paths, or the Triton kernels themselves under
 TRITON_INTERPRET=1 (tests/test_triton_kernels.py); on a GPU, the kernels."""
 
 from __future__ import annotations

@@ -34,32 +34,40 @@ def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
     return {n: types.get(n, "i32") for n in names.split()}
 
 
-# (kernel, signature by parameter, constexprs, num_warps): the launches of kernels.py and losses.py
-# for the 50M model (12 heads, 4 KV heads, head dim 64, d_ff 2048).
-ROPE = {"H": 12, "HKV": 4, "HD": 64, "BLOCK_N": 64}
+def _launch(shape: dict, **constants) -> tuple[dict, int]:
+    """A kernel's constexprs and warps as an op launches it: its launch shape plus the model's sizes."""
+    shape = dict(shape)
+    warps = shape.pop("num_warps")
+    return {**constants, **shape}, warps
+
+
+# (kernel, signature by parameter, (constexprs, num_warps)): the launches of kernels.py and
+# losses.py, with their own launch shapes, for the 50M model (12 heads, 4 KV heads, head dim 64,
+# d_ff 2048).
+ROPE = _launch(kernels.ROPE_LAUNCH, H=12, HKV=4, HD=64)
 LAUNCHES = [
     (kernels._rope_fwd_kernel, _sig("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr N T",
                                     {"qkv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": P, "k_ptr": P, "v_ptr": P}),
-     ROPE, 4),
+     ROPE),
     (kernels._rope_bwd_kernel, _sig("dq_ptr dk_ptr dv_ptr cos_ptr sin_ptr out_ptr N T qb qt qh qd kb kt kh kd vb vt vh vd",
                                     {"dq_ptr": P, "dk_ptr": P, "dv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": P}),
-     ROPE, 4),
-    (kernels._swiglu_fwd_kernel, _sig("gu_ptr h_ptr total", {"gu_ptr": P, "h_ptr": P}), {"F_": 2048, "BLOCK": 2048}, 8),
+     ROPE),
+    (kernels._swiglu_fwd_kernel, _sig("gu_ptr h_ptr total", {"gu_ptr": P, "h_ptr": P}), _launch(kernels.SWIGLU_LAUNCH, F_=2048)),
     (kernels._swiglu_bwd_kernel, _sig("gu_ptr dh_ptr dgu_ptr total", {"gu_ptr": P, "dh_ptr": P, "dgu_ptr": P}),
-     {"F_": 2048, "BLOCK": 2048}, 8),
+     _launch(kernels.SWIGLU_LAUNCH, F_=2048)),
     (losses._ce_fwd_vec_kernel, _sig("logits_ptr stride targets_ptr loss_ptr lse_ptr V",
                                      {"logits_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32"}),
-     {"BLOCK": 2048}, 8),
+     _launch(losses.FWD_LAUNCH)),
     (losses._ce_bwd_kernel, _sig("logits_ptr stride grad_ptr targets_ptr lse_ptr dloss_ptr V Vp",
                                  {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "lse_ptr": "*fp32", "dloss_ptr": "*fp32"}),
-     {"BLOCK": losses._BLOCK}, 16),
+     _launch(losses.BWD_LAUNCH)),
 ]
 
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
 @pytest.mark.parametrize("arch", [80, 90], ids=["ampere", "hopper"])
 def test_every_kernel_compiles_for_ampere_and_hopper(arch):
-    for kernel, signature, constants, warps in LAUNCHES:
+    for kernel, signature, (constants, warps) in LAUNCHES:
         signature = dict(signature, **{name: "constexpr" for name in constants})
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                   target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})

@@ -45,6 +45,8 @@ def triton_ok(t: torch.Tensor) -> bool:
 
 # ---- RoPE on the fused qkv projection --------------------------------------------------------
 
+ROPE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4}  # tokens per program, warps
+
 if triton is not None:
 
     @triton.jit
@@ -129,9 +131,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: in
     q = qkv.new_empty(B, T, n_head, hd)
     k = qkv.new_empty(B, T, n_kv_head, hd)
     v = qkv.new_empty(B, T, n_kv_head, hd)
-    block = 64
-    grid = (triton.cdiv(B * T, block), n_head + 2 * n_kv_head)
-    _rope_fwd_kernel[grid](qkv, cos, sin, q, k, v, B * T, T, H=n_head, HKV=n_kv_head, HD=hd, BLOCK_N=block, num_warps=4)
+    grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]), n_head + 2 * n_kv_head)
+    _rope_fwd_kernel[grid](qkv, cos, sin, q, k, v, B * T, T, H=n_head, HKV=n_kv_head, HD=hd, **ROPE_LAUNCH)
     return q, k, v
 
 
@@ -152,10 +153,9 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
         parts = [_rotate(dq, cos, sin, 1.0), _rotate(dk, cos, sin, 1.0), dv.float()]
         return torch.cat(parts, dim=2).to(dq.dtype).reshape(B, T, (H + 2 * Hkv) * hd)
     out = dq.new_empty(B, T, (H + 2 * Hkv) * hd)
-    block = 64
-    grid = (triton.cdiv(B * T, block), H + 2 * Hkv)
+    grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]), H + 2 * Hkv)
     _rope_bwd_kernel[grid](dq, dk, dv, cos, sin, out, B * T, T, *dq.stride(), *dk.stride(), *dv.stride(),
-                           H=H, HKV=Hkv, HD=hd, BLOCK_N=block, num_warps=4)
+                           H=H, HKV=Hkv, HD=hd, **ROPE_LAUNCH)
     return out
 
 
@@ -208,7 +208,7 @@ if triton is not None:
         tl.store(dgu_ptr + row * (2 * F_) + F_ + col, du.to(dgu_ptr.dtype.element_ty), mask=mask)
 
 
-_SWIGLU_BLOCK = 2048
+SWIGLU_LAUNCH = {"BLOCK": 2048, "num_warps": 8}  # elements per program, warps
 
 
 @torch.library.custom_op("x1::swiglu", mutates_args=())
@@ -221,7 +221,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     f = gate_up.size(-1) // 2
     h = gate_up.new_empty(*gate_up.shape[:-1], f)
     total = h.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(total, _SWIGLU_BLOCK),)](gate_up, h, total, F_=f, BLOCK=_SWIGLU_BLOCK, num_warps=8)
+    _swiglu_fwd_kernel[(triton.cdiv(total, SWIGLU_LAUNCH["BLOCK"]),)](gate_up, h, total, F_=f, **SWIGLU_LAUNCH)
     return h
 
 
@@ -241,8 +241,8 @@ def swiglu_backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     dh = dh.contiguous()
     dgu = torch.empty_like(gate_up)
     total = dh.numel()
-    _swiglu_bwd_kernel[(triton.cdiv(total, _SWIGLU_BLOCK),)](gate_up, dh, dgu, total, F_=dh.size(-1),
-                                                             BLOCK=_SWIGLU_BLOCK, num_warps=8)
+    _swiglu_bwd_kernel[(triton.cdiv(total, SWIGLU_LAUNCH["BLOCK"]),)](gate_up, dh, dgu, total, F_=dh.size(-1),
+                                                                      **SWIGLU_LAUNCH)
     return dgu
 
 

@@ -23,7 +23,9 @@ try:
 except ImportError:  # CPU-only torch builds have no Triton
     triton = None
 
-_BLOCK = 4096  # backward: columns per iteration
+# Launch shapes (columns per iteration, warps); bench/head_ce.py times these against others on a GPU.
+FWD_LAUNCH = {"BLOCK": 2048, "num_warps": 8}
+BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 
 
 if triton is not None:
@@ -81,7 +83,7 @@ def ce_fwd(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[tor
     n = logits.size(0)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
-    _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, BLOCK=2048, num_warps=8)
+    _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, **FWD_LAUNCH)
     return loss, lse
 
 
@@ -102,7 +104,7 @@ def ce_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, dloss
         return grad
     grad = torch.empty_like(logits)
     _ce_bwd_kernel[(logits.size(0),)](logits, logits.stride(0), grad, targets, lse, dloss.contiguous(), vocab,
-                                      logits.size(1), BLOCK=_BLOCK, num_warps=16)
+                                      logits.size(1), **BWD_LAUNCH)
     return grad
 
 
