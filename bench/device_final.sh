@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU, serially: kernel correctness, the plain reference, the head + loss micro-benchmark, then
+# One GPU, serially: kernel correctness, the plain reference, the head + loss and matmul micro-benchmarks, then
 # our shipped config (bare step, full loop, profile), then further variants while time allows.
 # REFERENCE=... DATA=... OUT=... MORE="a b" [MORE_LOOP=20] DEADLINE=s bash bench/device_final.sh
 set -u
@@ -11,6 +11,7 @@ tail -2 "$OUT/variants.txt"
 timeout 150 python3 "$REFERENCE" > "$OUT/reference.txt" 2>&1
 PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt")
 timeout 90 python3 bench/head_ce.py --json "$OUT/head.jsonl" > "$OUT/head.txt" 2>&1
+timeout 60 python3 bench/matmul_shapes.py >> "$OUT/head.txt" 2>&1
 timeout 120 python3 bench/train_throughput.py --variant shipped --data-dir "$DATA" --steps 10 --loop-steps 30 --profile \
     --peak-tflops "${PEAK:-790}" --json "$OUT/ours.jsonl" 2>&1 | grep -v "^preflight" >> "$OUT/variants.txt"
 for v in ${MORE:-}; do

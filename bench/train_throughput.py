@@ -72,16 +72,21 @@ VARIANTS: dict[str, dict] = {
     "micro-64": {"sets": ["train.micro_batch_size=64"]},
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
+    "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
+    "head-swapped": {"patch": {"x1_pretrain.model.HEAD_SWAPPED_DGRAD": True}},
+    "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
+    "cublaslt": {"blas": "cublaslt"},
 }
 
 
 def resolve_variant(name: str) -> dict:
     """'a+b' combines levers: their overrides, SDPA switch and module patches."""
-    out: dict = {"sets": [], "sdpa": None, "patch": {}}
+    out: dict = {"sets": [], "sdpa": None, "blas": None, "patch": {}}
     for part in name.split("+"):
         v = VARIANTS[part]
         out["sets"] += v.get("sets", [])
         out["sdpa"] = v.get("sdpa", out["sdpa"])
+        out["blas"] = v.get("blas", out["blas"])
         out["patch"].update(v.get("patch", {}))
     return out
 
@@ -146,6 +151,8 @@ def main() -> int:
         args.set = v["sets"] + args.set
         args.sdpa = args.sdpa or v["sdpa"]
         patches = v["patch"]
+        if v["blas"] and torch.cuda.is_available():  # which BLAS library every matmul goes to
+            torch.backends.cuda.preferred_blas_library(v["blas"])
         args.name = args.variant if args.name == "ours" else args.name
 
     from x1_common.fsutil import write_json_atomic

@@ -1,5 +1,5 @@
 """Small pieces of the trainer: the schedule, the compile-mode fallback after deaths while compiling,
-and the CUDA-graph mode's gradient bookkeeping."""
+the CUDA-graph mode's gradient bookkeeping, and compiled autograd."""
 
 from __future__ import annotations
 
@@ -48,3 +48,24 @@ def test_a_cuda_graph_compile_mode_trains_the_same_weights_as_mode_default(tmp_p
         assert f"torch.compile mode={mode}" in proc.stderr
         finals.append((ckpt / "final.safetensors").read_bytes())
     assert finals[0] == finals[1]
+
+
+def test_compiled_autograd_trains_the_same_weights_as_the_eager_backward(tmp_path, tiny_data):
+    # Compiled autograd moves the fp32 gradient accumulation into the compiled backward: the same
+    # sums, though the compiler may fuse them in another order (last-bit differences).
+    from safetensors.torch import load_file
+
+    from conftest import run_module, train_args
+
+    finals = []
+    for on in ("off", "on"):
+        ckpt = tmp_path / on
+        ckpt.mkdir()
+        proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
+                          "--set", "train.compile=true", "--set", f"train.compiled_autograd={on}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("compiled autograd" in proc.stderr) == (on == "on")
+        finals.append(load_file(ckpt / "final.safetensors"))
+    for name, w in finals[0].items():
+        rel = ((finals[1][name] - w).abs().max() / w.abs().max()).item()
+        assert rel < 5e-5, f"{name}: relative difference {rel:.2e}"

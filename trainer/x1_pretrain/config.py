@@ -118,6 +118,10 @@ class TrainConfig(_Section):
     kernels: Literal["auto", "torch", "triton"] = Field(
         "auto", description="our Triton kernels for cross-entropy, RoPE and SwiGLU (CUDA); auto = on when Triton runs"
     )
+    compiled_autograd: bool = Field(
+        False, description="compile the whole backward, gradient accumulation included (one process; off under "
+        "torchrun, where DDP and FSDP2 hook the accumulation)"
+    )
     log_every: int = Field(10, ge=1, description="steps between metric logs (--log-every)")
     eval_every: int = Field(1800, ge=1, description="steps between val evals (--eval-every)")
     eval_windows: int = Field(128, ge=1, description="fixed val windows per eval (x seq_len tokens)")

@@ -154,6 +154,7 @@ class Run:
     measured_peak_tflops: float | None
     throughput: Throughput = field(default_factory=Throughput)
     cudagraphs: bool = False  # compiled with a mode that replays CUDA graphs
+    backward_context: Any = contextlib.nullcontext  # compiled autograd, when on
     last_saved_step: int = -1
     floor_warned_at: float = 0.0
 
@@ -250,7 +251,8 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
             x, y = w[:, :-1], w[:, 1:]
         with D.maybe_no_sync(run.model, sync=micro == run.grad_accum - 1), run.autocast():
             loss = run.model(x, y)
-        (loss / run.grad_accum).backward()
+        with run.backward_context():
+            (loss / run.grad_accum).backward()
         total += loss.detach()
         # A single process can stop between micro-steps; ranks of a group agree once per step
         # (stopping alone mid-accumulation would leave the others waiting in an all-reduce).
@@ -603,6 +605,7 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
     micro-batch on a CUDA out-of-memory (accumulation doubles, tokens per step unchanged)."""
     raw, d = run.raw_model, run.dist
     model = raw
+    run.backward_context = compiled_autograd(run, mode)
     while mode is not None or d.device.type == "cuda":  # CPU eager has nothing to find out
         run.sink.heartbeat.beat(run.state.step, "compiling" if mode else "startup")
         model = torch.compile(raw, mode=mode) if mode is not None else raw
@@ -611,7 +614,8 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
         try:
             with run.autocast():
                 loss = model(w[:, :-1], w[:, 1:])
-            loss.backward()
+            with run.backward_context():
+                loss.backward()
             failed = 0
         except torch.cuda.OutOfMemoryError:
             failed = 2
@@ -624,6 +628,7 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
         failed = D.agree(d, failed)
         if failed == 1:
             mode = None
+            run.backward_context = contextlib.nullcontext
             torch._dynamo.reset()
             continue
         if failed == 2:
@@ -641,6 +646,27 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
         log.info("torch.compile mode=%s: first step in %.1f s", mode, time.perf_counter() - t)
         (ckpt_root / "compile-deaths.json").unlink(missing_ok=True)
     run.model = D.wrap(model, d, run.cfg.train.distributed) if run.cfg.train.distributed == "ddp" else model
+
+
+def compiled_autograd(run: Run, mode: str | None):
+    """The backward's context: compiled autograd when the config asks for it and it can apply.
+
+    torch.compile alone compiles the backward of the forward it traced; the fp32 gradient
+    accumulation (`.grad += g`) still runs as separate eager kernels, once per micro-batch and
+    parameter. Compiled autograd traces the whole backward, accumulation included, so the
+    compiler can fuse the bf16 -> fp32 cast and the add into the kernels around them.
+    """
+    if not run.cfg.train.compiled_autograd or mode is None:
+        return contextlib.nullcontext
+    if run.dist.enabled or mode != "default":
+        log.warning("train.compiled_autograd is off: it runs in one process with compile mode default "
+                    "(here: world size %d, mode %s)", run.dist.world_size, mode)
+        return contextlib.nullcontext
+    from torch._dynamo import compiled_autograd as ca
+
+    log.info("compiled autograd: the backward and the gradient accumulation compile as one graph")
+    compiler = torch.compile(backend="inductor")
+    return lambda: ca._enable(compiler)
 
 
 def halve_micro_batch(run: Run) -> None:
