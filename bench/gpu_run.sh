@@ -6,6 +6,8 @@ set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# A host without the Python packages and without network: wheels carried in .device/whl
+[ -d .device/whl ] && python3 -m pip install -q --no-index --find-links .device/whl mlflow-skinny pydantic > /dev/null 2>&1
 VARIANTS=${VARIANTS:-"plain padded shipped"}
 LOOP_VARIANT=${LOOP_VARIANT:-shipped}   # the one also measured as the full loop
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
@@ -13,7 +15,7 @@ python3 "$REFERENCE" 2>&1 | tee "$OUT/reference.txt"
 PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt")
 for v in $VARIANTS; do
   loop=0; [ "$v" = "$LOOP_VARIANT" ] && loop=${LOOP_STEPS:-30}
-  python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps "${STEPS:-8}" --loop-steps "$loop" \
+  timeout "${VARIANT_TIMEOUT:-300}" python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps "${STEPS:-8}" --loop-steps "$loop" \
       ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" ${PROFILE_VARIANT:+$([ "$v" = "$PROFILE_VARIANT" ] && echo --profile)} \
       2>&1 | grep -v "^preflight" | tail -45
 done

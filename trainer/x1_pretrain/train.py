@@ -241,6 +241,10 @@ def train_loop(run: Run) -> int:
 def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
     """Forward and backward over grad_accum micro-batches. Returns (mean loss, interrupted)."""
     total = torch.zeros((), device=run.dist.device)
+    # d(step loss)/d(micro loss) = 1 / grad_accum, handed to backward as a tensor: compiled autograd
+    # (torch 2.11, CUDA) fails on the Python scalar that `(loss / grad_accum).backward()` leaves in
+    # the graph. The gradients are the same numbers.
+    weight = torch.full((), 1.0 / run.grad_accum, device=run.dist.device)
     for micro in range(run.grad_accum):
         if run.cudagraphs:  # each micro-step is a new replay; the last one's outputs are consumed
             torch.compiler.cudagraph_mark_step_begin()
@@ -252,7 +256,7 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
         with D.maybe_no_sync(run.model, sync=micro == run.grad_accum - 1), run.autocast():
             loss = run.model(x, y)
         with run.backward_context():
-            (loss / run.grad_accum).backward()
+            loss.backward(weight)
         total += loss.detach()
         # A single process can stop between micro-steps; ranks of a group agree once per step
         # (stopping alone mid-accumulation would leave the others waiting in an all-reduce).
