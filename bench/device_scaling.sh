@@ -19,7 +19,7 @@ bench=(bench/train_throughput.py --config "$CONFIG" --data-dir "$DATA" --steps "
 
 CUDA_VISIBLE_DEVICES=0 timeout 120 python3 "${bench[@]}" --name 1-gpu > "$OUT/run.txt" 2>&1
 PEAK=$(python3 -c "import json; print(json.loads(open('$OUT/ours.jsonl').readlines()[-1])['matmul_peak_tflops'])" 2>/dev/null)
-for mode in ddp fsdp2; do
+for mode in ${MODES:-ddp fsdp2}; do
   echo "== 2 processes, $mode, at $SECONDS s" >> "$OUT/run.txt"
   timeout 120 torchrun --standalone --nproc_per_node=2 "${bench[@]}" --name "$mode-2-gpus" \
       --set "train.distributed=$mode" ${PEAK:+--peak-tflops $PEAK} >> "$OUT/run.txt" 2>&1

@@ -119,17 +119,22 @@ def wrap(model: nn.Module, d: Dist, mode: str) -> nn.Module:
 
 @contextlib.contextmanager
 def maybe_no_sync(model: nn.Module, sync: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
+    """Skip the gradient all-reduce on all but the last micro-step of an accumulation. Wrap the
+    forward and the backward: FSDP2 reduce-scatters (or not) at the end of the backward."""
     if sync:
         yield
     elif hasattr(model, "no_sync"):  # DDP
         with model.no_sync():
             yield
     elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        # Accumulate unsharded gradients locally, and keep the parameters gathered between
+        # micro-steps: one all-gather and one reduce-scatter per optimizer step, not per micro-step.
         model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
     else:
         yield

@@ -253,10 +253,12 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
         if run.injector.active(step, run.detector):
             w = torch.from_numpy(run.injector.windows(step, micro, x.size(0))).to(run.dist.device)
             x, y = w[:, :-1], w[:, 1:]
-        with D.maybe_no_sync(run.model, sync=micro == run.grad_accum - 1), run.autocast():
-            loss = run.model(x, y)
-        with run.backward_context():
-            loss.backward(weight)
+        # The backward too runs inside: FSDP2 decides at its end whether to reduce-scatter.
+        with D.maybe_no_sync(run.model, sync=micro == run.grad_accum - 1):
+            with run.autocast():
+                loss = run.model(x, y)
+            with run.backward_context():
+                loss.backward(weight)
         total += loss.detach()
         # A single process can stop between micro-steps; ranks of a group agree once per step
         # (stopping alone mid-accumulation would leave the others waiting in an all-reduce).
