@@ -618,10 +618,13 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
         w = torch.from_numpy(run.warmup_batch(run.micro_batch)).to(d.device)
         t = time.perf_counter()
         try:
-            with run.autocast():
-                loss = model(w[:, :-1], w[:, 1:])
-            with run.backward_context():
-                loss.backward()
+            # Compiled autograd compiles a second graph for a backward that adds into existing
+            # gradients: run that one here too, so that a failure falls back now, not mid-run.
+            for _ in range(1 if run.backward_context is contextlib.nullcontext else 2):
+                with run.autocast():
+                    loss = model(w[:, :-1], w[:, 1:])
+                with run.backward_context():
+                    loss.backward()
             failed = 0
         except torch.cuda.OutOfMemoryError:
             failed = 2
