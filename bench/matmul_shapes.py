@@ -15,23 +15,11 @@ import json
 import sys
 
 import torch
+from head_ce import time_ms  # bench/ is this script's folder
 
 TOKENS, D, FF, VP = 32 * 1024, 768, 2048, 50304
 # (name, out_features, in_features) of each linear of a block, and the tied head
 LINEARS = [("wqkv", 1280, D), ("wo", D, D), ("w_gate_up", 2 * FF, D), ("w_down", D, FF), ("head", VP, D)]
-
-
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def products(out_f: int, in_f: int) -> dict[str, tuple]:

@@ -33,21 +33,27 @@ def test_a_death_while_compiling_falls_back_to_mode_default_then_to_eager(tmp_pa
     assert compile_choice(eager_cfg, tmp_path, died) is None
 
 
+def compiled_runs(tmp_path, tiny_data, key: str, values: tuple[str, str]) -> list[tuple[str, object]]:
+    """Two 4-step compiled runs of the tiny config differing in train.<key>: (stderr, final weights path)."""
+    from conftest import run_module, train_args
+
+    out = []
+    for value in values:
+        ckpt = tmp_path / value
+        ckpt.mkdir()
+        proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
+                          "--set", "train.compile=true", "--set", f"train.{key}={value}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out.append((proc.stderr, ckpt / "final.safetensors"))
+    return out
+
+
 def test_a_cuda_graph_compile_mode_trains_the_same_weights_as_mode_default(tmp_path, tiny_data):
     # Under CUDA graphs the loop keeps the gradients allocated and marks each micro-step as a new
     # replay; on the CPU there are no graphs, so this pins that the bookkeeping leaves the math alone.
-    from conftest import run_module, train_args
-
-    finals = []
-    for mode in ("default", "reduce-overhead"):
-        ckpt = tmp_path / mode
-        ckpt.mkdir()
-        proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
-                          "--set", "train.compile=true", "--set", f"train.compile_mode={mode}")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"torch.compile mode={mode}" in proc.stderr
-        finals.append((ckpt / "final.safetensors").read_bytes())
-    assert finals[0] == finals[1]
+    (log_a, final_a), (log_b, final_b) = compiled_runs(tmp_path, tiny_data, "compile_mode", ("default", "reduce-overhead"))
+    assert "torch.compile mode=default" in log_a and "torch.compile mode=reduce-overhead" in log_b
+    assert final_a.read_bytes() == final_b.read_bytes()
 
 
 def test_compiled_autograd_trains_the_same_weights_as_the_eager_backward(tmp_path, tiny_data):
@@ -55,17 +61,9 @@ def test_compiled_autograd_trains_the_same_weights_as_the_eager_backward(tmp_pat
     # sums, though the compiler may fuse them in another order (last-bit differences).
     from safetensors.torch import load_file
 
-    from conftest import run_module, train_args
-
-    finals = []
-    for on in ("off", "on"):
-        ckpt = tmp_path / on
-        ckpt.mkdir()
-        proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
-                          "--set", "train.compile=true", "--set", f"train.compiled_autograd={on}")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert ("compiled autograd" in proc.stderr) == (on == "on")
-        finals.append(load_file(ckpt / "final.safetensors"))
-    for name, w in finals[0].items():
-        rel = ((finals[1][name] - w).abs().max() / w.abs().max()).item()
+    (log_off, final_off), (log_on, final_on) = compiled_runs(tmp_path, tiny_data, "compiled_autograd", ("off", "on"))
+    assert "compiled autograd" not in log_off and "compiled autograd" in log_on
+    off, on = load_file(final_off), load_file(final_on)
+    for name, w in off.items():
+        rel = ((on[name] - w).abs().max() / w.abs().max()).item()
         assert rel < 5e-5, f"{name}: relative difference {rel:.2e}"
