@@ -173,10 +173,9 @@ class Block(nn.Module):
 
 
 class _TiedHead(torch.autograd.Function):
-    """logits = h @ w.T, whose input gradient is asked of cuBLAS as (w.T @ g.T).T.
-
-    The same product with m and n swapped: the head's dgrad (32768 x 768 out of 50304-long rows)
-    otherwise gets a tiling that leaves the last of its ~5.2 waves of tiles mostly empty.
+    """logits = h @ w.T, whose input gradient is asked of cuBLAS as (w.T @ g.T).T: the same
+    product with m and n swapped, for another tiling of the head's dgrad. A benchmark switch
+    (HEAD_SWAPPED_DGRAD), off: it measured 1% slower on an H200 (docs/PERFORMANCE.md, call 10).
     """
 
     @staticmethod

@@ -668,7 +668,7 @@ def compiled_autograd(run: Run, mode: str | None):
     if not run.cfg.train.compiled_autograd or mode is None:
         return contextlib.nullcontext
     if run.dist.enabled or mode != "default":
-        log.warning("train.compiled_autograd is off: it runs in one process with compile mode default "
+        log.info("train.compiled_autograd is off: it runs in one process with compile mode default "
                     "(here: world size %d, mode %s)", run.dist.world_size, mode)
         return contextlib.nullcontext
     from torch._dynamo import compiled_autograd as ca
