@@ -73,7 +73,6 @@ VARIANTS: dict[str, dict] = {
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
-    "head-swapped": {"patch": {"x1_pretrain.model.HEAD_SWAPPED_DGRAD": True}},
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
 }

@@ -29,7 +29,6 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 # to measure what it brings (docs/PERFORMANCE.md).
 FUSED_ROPE = True
 FUSED_SWIGLU = True
-HEAD_SWAPPED_DGRAD = False  # see _TiedHead
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -172,25 +171,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class _TiedHead(torch.autograd.Function):
-    """logits = h @ w.T, whose input gradient is asked of cuBLAS as (w.T @ g.T).T: the same
-    product with m and n swapped, for another tiling of the head's dgrad. A benchmark switch
-    (HEAD_SWAPPED_DGRAD), off: it measured 1% slower on an H200 (docs/PERFORMANCE.md, call 10).
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, w)
-        return h @ w.t()
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, w = ctx.saved_tensors
-        g = g.reshape(-1, g.size(-1))
-        dh = (w.t() @ g.t()).t().reshape(h.shape)
-        return dh, g.t() @ h.reshape(-1, h.size(-1))
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -246,11 +226,7 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in fp32. idx, targets: (B, T) int64."""
         h = self.hidden(idx)
-        if self.fused_loss and HEAD_SWAPPED_DGRAD and torch.is_autocast_enabled(h.device.type):
-            dtype = torch.get_autocast_dtype(h.device.type)
-            logits = _TiedHead.apply(h.to(dtype), self.tok_emb.weight.to(dtype))
-        else:
-            logits = F.linear(h, self.tok_emb.weight)  # (B, T, padded V); tied head
+        logits = F.linear(h, self.tok_emb.weight)  # (B, T, padded V); tied head
         if self.fused_loss:
             from x1_pretrain.losses import fused_cross_entropy
 
