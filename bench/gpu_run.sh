@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the plain reference and our training step, side by side, on the same GPU.
-#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" bash bench/gpu_run.sh
-# Writes reference.txt, ours.jsonl and table.md under $OUT (default ./bench-out).
+#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] bash bench/gpu_run.sh
+# Writes reference.txt, ours.jsonl, variants.txt (each run's whole output) and table.md under $OUT (default ./bench-out).
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -16,7 +16,7 @@ PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt
 for v in $VARIANTS; do
   loop=0; [ "$v" = "$LOOP_VARIANT" ] && loop=${LOOP_STEPS:-30}
   timeout "${VARIANT_TIMEOUT:-300}" python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps "${STEPS:-8}" --loop-steps "$loop" \
-      ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" ${PROFILE_VARIANT:+$([ "$v" = "$PROFILE_VARIANT" ] && echo --profile)} \
-      2>&1 | grep -v "^preflight" | tail -45
+      ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" $([[ " ${PROFILE_VARIANTS:-} " == *" $v "* ]] && echo --profile) \
+      2>&1 | grep -v "^preflight" | tee -a "$OUT/variants.txt" | tail -45
 done
 python3 bench/report.py --reference "$OUT/reference.txt" --ours "$OUT/ours.jsonl" | tee "$OUT/table.md"

@@ -73,7 +73,10 @@ VARIANTS: dict[str, dict] = {
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
-    "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
+    "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16, "WIDE": True}}},
+    "ce-bwd-narrow": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 4096, "num_warps": 16, "WIDE": False}}},
+    "ce-fwd-tiled": {"patch": {"x1_pretrain.losses.FWD_KERNEL": "tiled"}},
+    "add-norm": {"patch": {"x1_pretrain.model.FUSED_ADD_NORM": True}},
     "cublaslt": {"blas": "cublaslt"},
 }
 
@@ -204,7 +207,8 @@ def main() -> int:
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             one_step(args.steps + 1)
             sync()
-        print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30), flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
+                                        max_name_column_width=100), flush=True)
         if cuda:
             trace = Path(args.trace or work / "trace.json")
             prof.export_chrome_trace(str(trace))

@@ -261,3 +261,141 @@ def _swiglu_bwd(ctx, dh):
 
 
 swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+
+
+# ---- Residual add + RMSNorm --------------------------------------------------------------------
+#
+# Each sublayer's output (bf16 under autocast) joins the fp32 residual stream and is normed for
+# the next sublayer. As one op: forward y = x + delta, h = w * y * rstd(y); backward, for the
+# gradient dy of y from further on and dh of h, dx = dy + d(norm)/dy . dh, written once in fp32
+# for the stream and once in delta's dtype for the sublayer's backward, with the weight's
+# gradient summed per program on the way. PyTorch's graph writes the fp32 gradient, then reads
+# it again to cast it for the matmuls, and sums the weight's gradient in a pass of its own.
+
+ADD_NORM_LAUNCH = {"BLOCK_R": 8, "num_warps": 8}  # rows per tile, warps
+ADD_NORM_PROGRAMS_PER_SM = 4  # backward: persistent programs, each summing its rows' weight gradient
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rmsnorm_fwd_kernel(x_ptr, d_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, N, eps,
+                                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows < N)[:, None] & (cols < D)[None, :]
+        off = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        y = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32) + tl.load(d_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(y * y, 1) / D + eps)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        h = y * rstd[:, None] * w[None, :]
+        tl.store(h_ptr + off, h.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < N)
+
+    @triton.jit
+    def _add_rmsnorm_bwd_kernel(dy_ptr, dh_ptr, y_ptr, rstd_ptr, w_ptr, dx_ptr, dd_ptr, dw_ptr, N, rows_per_program,
+                                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        first = pid * rows_per_program
+        for start in range(first, first + rows_per_program, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            mask = (rows < N)[:, None] & (cols < D)[None, :]
+            off = rows.to(tl.int64)[:, None] * D + cols[None, :]
+            rstd = tl.load(rstd_ptr + rows, mask=rows < N, other=0.0)
+            xhat = tl.load(y_ptr + off, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+            dh = tl.load(dh_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            g = dh * w[None, :]
+            dx = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            dx += rstd[:, None] * (g - xhat * (tl.sum(g * xhat, 1) / D)[:, None])
+            tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dd_ptr + off, dx.to(dd_ptr.dtype.element_ty), mask=mask)
+            dw += dh * xhat
+        tl.store(dw_ptr + pid * D + cols, tl.sum(dw, 0), mask=cols < D)
+
+
+def _torch_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    y = x + delta
+    yf = y.float()
+    rstd = torch.rsqrt(yf.pow(2).mean(-1) + eps)
+    return y, (weight * (yf * rstd[..., None])).to(delta.dtype), rstd
+
+
+@torch.library.custom_op("x1::add_rmsnorm", mutates_args=())
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = x + delta (the residual stream, x's dtype), h = weight * y / rms(y) in delta's dtype,
+    and 1 / rms(y) per row (fp32, kept for the backward). x, delta: (..., D); weight: (D,)."""
+    if not triton_ok(x):
+        return _torch_add_rmsnorm(x, delta, weight, eps)
+    x, delta = x.contiguous(), delta.contiguous()
+    D = x.size(-1)
+    n = x.numel() // D
+    y = torch.empty_like(x)
+    h = torch.empty_like(delta)
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    grid = (triton.cdiv(n, ADD_NORM_LAUNCH["BLOCK_R"]),)
+    _add_rmsnorm_fwd_kernel[grid](x, delta, weight, y, h, rstd, n, eps, D=D, BLOCK_D=triton.next_power_of_2(D),
+                                  **ADD_NORM_LAUNCH)
+    return y, h, rstd
+
+
+@add_rmsnorm.register_fake
+def _(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(delta), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("x1::add_rmsnorm_backward", mutates_args=())
+def add_rmsnorm_backward(dy: torch.Tensor, dh: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                         delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of x (x's dtype), delta (delta_dtype) and weight, from those of y and h."""
+    if not triton_ok(y):
+        xhat = y.float() * rstd[..., None]
+        g = dh.float() * weight
+        dx = dy.float() + rstd[..., None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        dw = (dh.float() * xhat).reshape(-1, y.size(-1)).sum(0)
+        return dx.to(y.dtype), dx.to(delta_dtype, copy=True), dw.to(weight.dtype)
+    dy, dh = dy.contiguous(), dh.contiguous()
+    D = y.size(-1)
+    n = y.numel() // D
+    block_r = ADD_NORM_LAUNCH["BLOCK_R"]
+    programs = min(triton.cdiv(n, block_r), ADD_NORM_PROGRAMS_PER_SM * _sm_count(y.device))
+    rows_per_program = triton.cdiv(triton.cdiv(n, programs), block_r) * block_r
+    programs = triton.cdiv(n, rows_per_program)
+    dx = torch.empty_like(y)
+    dd = torch.empty(y.shape, device=y.device, dtype=delta_dtype)
+    dw = y.new_empty(programs, D, dtype=torch.float32)
+    _add_rmsnorm_bwd_kernel[(programs,)](dy, dh, y, rstd, weight, dx, dd, dw, n, rows_per_program,
+                                         D=D, BLOCK_D=triton.next_power_of_2(D), **ADD_NORM_LAUNCH)
+    return dx, dd, dw.sum(0).to(weight.dtype)
+
+
+@add_rmsnorm_backward.register_fake
+def _(dy, dh, y, rstd, weight, delta_dtype):
+    return torch.empty_like(y), torch.empty(y.shape, device=y.device, dtype=delta_dtype), torch.empty_like(weight)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so that each sums several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _add_rmsnorm_setup(ctx, inputs, output) -> None:
+    _, delta, weight, _ = inputs
+    y, _, rstd = output
+    ctx.save_for_backward(y, rstd, weight)
+    ctx.delta_dtype = delta.dtype
+
+
+def _add_rmsnorm_bwd(ctx, dy, dh, _drstd):
+    y, rstd, weight = ctx.saved_tensors
+    if dy is None:  # y itself not used further
+        dy = torch.zeros_like(y)
+    dx, dd, dw = add_rmsnorm_backward(dy, dh, y, rstd, weight, ctx.delta_dtype)
+    return dx, dd, dw, None
+
+
+add_rmsnorm.register_autograd(_add_rmsnorm_bwd, setup_context=_add_rmsnorm_setup)

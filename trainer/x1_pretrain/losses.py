@@ -25,7 +25,11 @@ except ImportError:  # CPU-only torch builds have no Triton
 
 # Launch shapes (columns per iteration, warps); bench/head_ce.py times these against others on a GPU.
 FWD_LAUNCH = {"BLOCK": 2048, "num_warps": 8}
-BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
+# The tiled forward: BLOCK columns per iteration as BLOCK // K lanes of K adjacent columns.
+TILED_FWD_LAUNCH = {"BLOCK": 4096, "K": 8, "num_warps": 8}
+# Which forward kernel ce_fwd launches ("vec" or "tiled"); the benchmark measures each.
+FWD_KERNEL = "vec"
+BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16, "WIDE": True}  # WIDE: see the kernel
 
 
 if triton is not None:
@@ -54,7 +58,45 @@ if triton is not None:
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
-    def _ce_bwd_kernel(logits_ptr, stride, grad_ptr, targets_ptr, lse_ptr, dloss_ptr, V, Vp, BLOCK: tl.constexpr):
+    def _lanes_update(x, m, s):
+        # x: (lanes, K) logits; m, s: each lane's running max and sum of exp(x - m). The max is
+        # taken over the lane's K columns first, so rescaling s costs one exponential per K
+        # elements and each element only its own exponential and an add.
+        LOG2E: tl.constexpr = 1.4426950408889634  # exp(x - m) = exp2(x * LOG2E - m * LOG2E): one FMA
+        m_new = tl.maximum(m, tl.max(x, 1))
+        s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2(x * LOG2E - (m_new * LOG2E)[:, None]), 1)
+        return m_new, s
+
+    @triton.jit
+    def _ce_fwd_tiled_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, V, Vp,
+                             BLOCK: tl.constexpr, K: tl.constexpr):
+        # The online max / sum of the kernel above over tiles of (BLOCK // K lanes) x (K adjacent
+        # columns, one thread's 16-byte load). Whole tiles load unmasked; the last, partial tile
+        # loads up to the padded width (a multiple of 16, so its loads stay 16 bytes wide too) and
+        # drops the padded columns itself: a mask at the odd width 50257 makes every load 2 bytes.
+        R: tl.constexpr = BLOCK // K
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride
+        offs = tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]
+        m = tl.full([R], -1e30, tl.float32)  # finite: -inf - -inf would be NaN
+        s = tl.zeros([R], tl.float32)
+        full = V // BLOCK * BLOCK
+        for start in range(0, full, BLOCK):
+            m, s = _lanes_update(tl.load(base + start + offs).to(tl.float32), m, s)
+        if full < V:
+            cols = full + offs
+            x = tl.load(base + cols, mask=cols < Vp, other=0.0).to(tl.float32)
+            m, s = _lanes_update(tl.where(cols < V, x, float("-inf")), m, s)
+        row_max = tl.max(m, 0)
+        lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
+        target = tl.load(targets_ptr + row)
+        x_t = tl.load(base + target).to(tl.float32)
+        tl.store(loss_ptr + row, lse - x_t)
+        tl.store(lse_ptr + row, lse)
+
+    @triton.jit
+    def _ce_bwd_kernel(logits_ptr, stride, grad_ptr, targets_ptr, lse_ptr, dloss_ptr, V, Vp, BLOCK: tl.constexpr,
+                       WIDE: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         out = grad_ptr + row * stride
@@ -63,7 +105,11 @@ if triton is not None:
         dloss = tl.load(dloss_ptr + row)
         for start in range(0, Vp, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            if WIDE:  # masked at the padded width (a multiple of 16): 16-byte loads, padding dropped after
+                x = tl.load(base + cols, mask=cols < Vp, other=0.0).to(tl.float32)
+                x = tl.where(cols < V, x, float("-inf"))
+            else:
+                x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             p = tl.exp(x - lse)  # softmax; exactly 0 on padded columns
             g = tl.where(cols == target, p - 1.0, p) * dloss
             tl.store(out + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < Vp)
@@ -83,7 +129,10 @@ def ce_fwd(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[tor
     n = logits.size(0)
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
-    _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, **FWD_LAUNCH)
+    if FWD_KERNEL == "tiled":
+        _ce_fwd_tiled_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, logits.size(1), **TILED_FWD_LAUNCH)
+    else:
+        _ce_fwd_vec_kernel[(n,)](logits, logits.stride(0), targets, loss, lse, vocab, **FWD_LAUNCH)
     return loss, lse
 
 
