@@ -20,9 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 N, D, V, VP = 32 * 1024, 768, 50257, 50304
-FWD_SHAPES = [(2048, 8), (4096, 8)]
-TILED_FWD_SHAPES = [(2048, 8, 4), (4096, 8, 4), (4096, 8, 8), (8192, 8, 8), (8192, 8, 16), (4096, 16, 8)]  # BLOCK, K, warps
-BWD_SHAPES = [(4096, 16, False), (4096, 16, True), (8192, 16, True), (4096, 8, True)]  # BLOCK, warps, WIDE
+FWD_SHAPES = [(2048, 8, 4), (4096, 8, 8), (8192, 8, 8), (4096, 16, 8)]  # BLOCK, K, warps
+BWD_SHAPES = [(4096, 16), (8192, 16), (4096, 8)]  # BLOCK, warps
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -61,19 +60,16 @@ def main() -> int:
         ms = time_ms(fn)
         rows.append({"what": what, "ms": round(ms, 3), "TB_per_s": round(passes * gb / ms, 2)})
     loss = torch.empty(N, device="cuda")
-    for block, warps in FWD_SHAPES:  # the forward kernel's other launch shapes
-        ms = time_ms(lambda b=block, w=warps: losses._ce_fwd_vec_kernel[(N,)](logits, VP, targets, loss, lse, V, BLOCK=b, num_warps=w))
-        rows.append({"what": f"kernel: forward, BLOCK={block} warps={warps}", "ms": round(ms, 3), "TB_per_s": round(gb / ms, 2)})
-    for block, k, warps in TILED_FWD_SHAPES:
-        ms = time_ms(lambda b=block, k=k, w=warps: losses._ce_fwd_tiled_kernel[(N,)](logits, VP, targets, loss, lse, V, VP,
-                                                                                    BLOCK=b, K=k, num_warps=w))
-        rows.append({"what": f"kernel: tiled forward, BLOCK={block} K={k} warps={warps}", "ms": round(ms, 3),
+    for block, k, warps in FWD_SHAPES:  # the kernels' other launch shapes
+        ms = time_ms(lambda b=block, k=k, w=warps: losses._ce_fwd_kernel[(N,)](logits, VP, targets, loss, lse, V, VP,
+                                                                              BLOCK=b, K=k, num_warps=w))
+        rows.append({"what": f"kernel: forward, BLOCK={block} K={k} warps={warps}", "ms": round(ms, 3),
                      "TB_per_s": round(gb / ms, 2)})
     grad = torch.empty_like(logits)
-    for block, warps, wide in BWD_SHAPES:
-        ms = time_ms(lambda b=block, w=warps, wide=wide: losses._ce_bwd_kernel[(N,)](
-            logits, VP, grad, targets, lse, dloss, V, VP, BLOCK=b, WIDE=wide, num_warps=w))
-        rows.append({"what": f"kernel: backward, BLOCK={block} warps={warps} wide={wide}", "ms": round(ms, 3),
+    for block, warps in BWD_SHAPES:
+        ms = time_ms(lambda b=block, w=warps: losses._ce_bwd_kernel[(N,)](logits, VP, grad, targets, lse, dloss, V, VP,
+                                                                          BLOCK=b, num_warps=w))
+        rows.append({"what": f"kernel: backward, BLOCK={block} warps={warps}", "ms": round(ms, 3),
                      "TB_per_s": round(2 * gb / ms, 2)})
 
     h = (torch.randn(N, D, device="cuda") * 0.5).bfloat16().requires_grad_()

@@ -73,10 +73,11 @@ VARIANTS: dict[str, dict] = {
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
-    "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16, "WIDE": True}}},
-    "ce-bwd-narrow": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 4096, "num_warps": 16, "WIDE": False}}},
-    "ce-fwd-tiled": {"patch": {"x1_pretrain.losses.FWD_KERNEL": "tiled"}},
+    "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "add-norm": {"patch": {"x1_pretrain.model.FUSED_ADD_NORM": True}},
+    "add-norm-opaque": {"patch": {"x1_pretrain.model.FUSED_ADD_NORM": True, "x1_pretrain.kernels.ADD_NORM_BWD_OP": "custom_op"}},
+    "add-norm-r4x2": {"patch": {"x1_pretrain.model.FUSED_ADD_NORM": True,
+                                "x1_pretrain.kernels.ADD_NORM_BWD_LAUNCH": {"BLOCK_R": 4, "ITERS": 2, "num_warps": 4}}},
     "cublaslt": {"blas": "cublaslt"},
 }
 

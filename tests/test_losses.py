@@ -8,18 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from x1_pretrain import losses
 from x1_pretrain.kernels import INTERPRET
 from x1_pretrain.losses import fused_available, fused_cross_entropy
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture(params=["vec", "tiled"], autouse=True)
-def fwd_kernel(request, monkeypatch):
-    """Every test runs with each forward kernel (on the GPU, or in the Triton interpreter)."""
-    monkeypatch.setattr(losses, "FWD_KERNEL", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -266,42 +266,28 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 # ---- Residual add + RMSNorm --------------------------------------------------------------------
 #
 # Each sublayer's output (bf16 under autocast) joins the fp32 residual stream and is normed for
-# the next sublayer. As one op: forward y = x + delta, h = w * y * rstd(y); backward, for the
-# gradient dy of y from further on and dh of h, dx = dy + d(norm)/dy . dh, written once in fp32
-# for the stream and once in delta's dtype for the sublayer's backward, with the weight's
-# gradient summed per program on the way. PyTorch's graph writes the fp32 gradient, then reads
-# it again to cast it for the matmuls, and sums the weight's gradient in a pass of its own.
+# the next sublayer: y = x + delta, h = w * y / rms(y). The forward stays PyTorch's (the compiler
+# fuses it into one kernel that moves its bytes at the bandwidth: call 14). The backward, for the
+# gradients dy of y from further on and dh of h, writes dx = dy + d(norm)/dy . dh once in fp32
+# for the stream and once in delta's dtype for the sublayer's matmuls, and sums the weight's
+# gradient over its rows on the way; the compiler's graph wrote dx, read it again to cast it, and
+# summed the weight's gradient in a pass of its own (call 14: 15 casts of 35 us per micro-batch).
 
-ADD_NORM_LAUNCH = {"BLOCK_R": 8, "num_warps": 8}  # rows per tile, warps
-ADD_NORM_PROGRAMS_PER_SM = 4  # backward: persistent programs, each summing its rows' weight gradient
+# Rows per tile, tiles per program (each program writes one partial sum of the weight's
+# gradient), warps. bench/norm_kernels.py times others.
+ADD_NORM_BWD_LAUNCH = {"BLOCK_R": 8, "ITERS": 1, "num_warps": 8}
 
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_fwd_kernel(x_ptr, d_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, N, eps,
-                                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_D)
-        mask = (rows < N)[:, None] & (cols < D)[None, :]
-        off = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        y = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32) + tl.load(d_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(y * y, 1) / D + eps)
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        h = y * rstd[:, None] * w[None, :]
-        tl.store(h_ptr + off, h.to(h_ptr.dtype.element_ty), mask=mask)
-        tl.store(rstd_ptr + rows, rstd, mask=rows < N)
-
-    @triton.jit
-    def _add_rmsnorm_bwd_kernel(dy_ptr, dh_ptr, y_ptr, rstd_ptr, w_ptr, dx_ptr, dd_ptr, dw_ptr, N, rows_per_program,
-                                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    def _add_rmsnorm_bwd_kernel(dy_ptr, dh_ptr, y_ptr, rstd_ptr, w_ptr, dx_ptr, dd_ptr, dw_ptr, N,
+                                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, ITERS: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        first = pid * rows_per_program
-        for start in range(first, first + rows_per_program, BLOCK_R):
-            rows = start + tl.arange(0, BLOCK_R)
+        dw = tl.zeros([BLOCK_D], tl.float32)
+        for i in range(ITERS):
+            rows = (pid * ITERS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
             mask = (rows < N)[:, None] & (cols < D)[None, :]
             off = rows.to(tl.int64)[:, None] * D + cols[None, :]
             rstd = tl.load(rstd_ptr + rows, mask=rows < N, other=0.0)
@@ -312,45 +298,17 @@ if triton is not None:
             dx += rstd[:, None] * (g - xhat * (tl.sum(g * xhat, 1) / D)[:, None])
             tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dd_ptr + off, dx.to(dd_ptr.dtype.element_ty), mask=mask)
-            dw += dh * xhat
-        tl.store(dw_ptr + pid * D + cols, tl.sum(dw, 0), mask=cols < D)
+            dw += tl.sum(dh * xhat, 0)
+        tl.store(dw_ptr + pid * D + cols, dw, mask=cols < D)
 
 
-def _torch_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    y = x + delta
-    yf = y.float()
-    rstd = torch.rsqrt(yf.pow(2).mean(-1) + eps)
-    return y, (weight * (yf * rstd[..., None])).to(delta.dtype), rstd
-
-
-@torch.library.custom_op("x1::add_rmsnorm", mutates_args=())
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y = x + delta (the residual stream, x's dtype), h = weight * y / rms(y) in delta's dtype,
-    and 1 / rms(y) per row (fp32, kept for the backward). x, delta: (..., D); weight: (D,)."""
-    if not triton_ok(x):
-        return _torch_add_rmsnorm(x, delta, weight, eps)
-    x, delta = x.contiguous(), delta.contiguous()
-    D = x.size(-1)
-    n = x.numel() // D
-    y = torch.empty_like(x)
-    h = torch.empty_like(delta)
-    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    grid = (triton.cdiv(n, ADD_NORM_LAUNCH["BLOCK_R"]),)
-    _add_rmsnorm_fwd_kernel[grid](x, delta, weight, y, h, rstd, n, eps, D=D, BLOCK_D=triton.next_power_of_2(D),
-                                  **ADD_NORM_LAUNCH)
-    return y, h, rstd
-
-
-@add_rmsnorm.register_fake
-def _(x, delta, weight, eps):
-    return torch.empty_like(x), torch.empty_like(delta), x.new_empty(x.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("x1::add_rmsnorm_backward", mutates_args=())
-def add_rmsnorm_backward(dy: torch.Tensor, dh: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
-                         delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of x (x's dtype), delta (delta_dtype) and weight, from those of y and h."""
+# A triton_op, not an opaque custom_op: the compiler sees the kernel and its buffers, launches the
+# kernel from its own generated code (a Python custom op costs tens of microseconds of CPU per
+# call, which at 15 calls per micro-batch left the GPU waiting: call 14) and fuses the sum of the
+# partial weight gradients with what follows.
+def _add_rmsnorm_backward(dy: torch.Tensor, dh: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                          delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of x (y's dtype), delta (delta_dtype) and weight, from those of y and h."""
     if not triton_ok(y):
         xhat = y.float() * rstd[..., None]
         g = dh.float() * weight
@@ -360,42 +318,51 @@ def add_rmsnorm_backward(dy: torch.Tensor, dh: torch.Tensor, y: torch.Tensor, rs
     dy, dh = dy.contiguous(), dh.contiguous()
     D = y.size(-1)
     n = y.numel() // D
-    block_r = ADD_NORM_LAUNCH["BLOCK_R"]
-    programs = min(triton.cdiv(n, block_r), ADD_NORM_PROGRAMS_PER_SM * _sm_count(y.device))
-    rows_per_program = triton.cdiv(triton.cdiv(n, programs), block_r) * block_r
-    programs = triton.cdiv(n, rows_per_program)
+    launch = dict(ADD_NORM_BWD_LAUNCH)
+    programs = triton.cdiv(n, launch["BLOCK_R"] * launch["ITERS"])
     dx = torch.empty_like(y)
     dd = torch.empty(y.shape, device=y.device, dtype=delta_dtype)
-    dw = y.new_empty(programs, D, dtype=torch.float32)
-    _add_rmsnorm_bwd_kernel[(programs,)](dy, dh, y, rstd, weight, dx, dd, dw, n, rows_per_program,
-                                         D=D, BLOCK_D=triton.next_power_of_2(D), **ADD_NORM_LAUNCH)
+    dw = torch.empty(programs, D, device=y.device, dtype=torch.float32)
+    torch.library.wrap_triton(_add_rmsnorm_bwd_kernel)[(programs,)](
+        dy, dh, y, rstd, weight, dx, dd, dw, n, D=D, BLOCK_D=triton.next_power_of_2(D), **launch)
     return dx, dd, dw.sum(0).to(weight.dtype)
 
 
-@add_rmsnorm_backward.register_fake
+add_rmsnorm_backward = torch.library.triton_op("x1::add_rmsnorm_backward", _add_rmsnorm_backward, mutates_args=())
+# The same function as an opaque op, for the benchmark's comparison (call 15).
+add_rmsnorm_backward_opaque = torch.library.custom_op("x1::add_rmsnorm_backward_opaque", _add_rmsnorm_backward,
+                                                      mutates_args=())
+ADD_NORM_BWD_OP = "triton_op"
+
+
+@add_rmsnorm_backward_opaque.register_fake
 def _(dy, dh, y, rstd, weight, delta_dtype):
     return torch.empty_like(y), torch.empty(y.shape, device=y.device, dtype=delta_dtype), torch.empty_like(weight)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, so that each sums several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        y = x + delta
+        yf = y.float()
+        rstd = torch.rsqrt(yf.pow(2).mean(-1) + eps)
+        ctx.save_for_backward(y, rstd, weight)
+        ctx.delta_dtype = delta.dtype
+        # h in delta's dtype, as the next matmul takes it under autocast: its gradient comes back
+        # in that dtype, half the bytes of an fp32 one.
+        return y, (weight * (yf * rstd[..., None])).to(delta.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor | None, dh: torch.Tensor):
+        y, rstd, weight = ctx.saved_tensors
+        if dy is None:  # y itself not used further
+            dy = torch.zeros_like(y)
+        op = add_rmsnorm_backward if ADD_NORM_BWD_OP == "triton_op" else add_rmsnorm_backward_opaque
+        dx, dd, dw = op(dy, dh, y, rstd, weight, ctx.delta_dtype)
+        return dx, dd, dw, None
 
 
-def _add_rmsnorm_setup(ctx, inputs, output) -> None:
-    _, delta, weight, _ = inputs
-    y, _, rstd = output
-    ctx.save_for_backward(y, rstd, weight)
-    ctx.delta_dtype = delta.dtype
-
-
-def _add_rmsnorm_bwd(ctx, dy, dh, _drstd):
-    y, rstd, weight = ctx.saved_tensors
-    if dy is None:  # y itself not used further
-        dy = torch.zeros_like(y)
-    dx, dd, dw = add_rmsnorm_backward(dy, dh, y, rstd, weight, ctx.delta_dtype)
-    return dx, dd, dw, None
-
-
-add_rmsnorm.register_autograd(_add_rmsnorm_bwd, setup_context=_add_rmsnorm_setup)
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): y = x + delta, the residual stream in x's dtype; h = weight * y / rms(y) in delta's
+    dtype. x, delta: (..., D); weight: (D,)."""
+    return _AddRMSNorm.apply(x, delta, weight, eps)

@@ -64,8 +64,7 @@ class RMSNorm(nn.Module):
         if self.fused and FUSED_ADD_NORM:
             from x1_pretrain.kernels import add_rmsnorm
 
-            y, h, _ = add_rmsnorm(x, delta, self.weight, self.eps)
-            return y, h
+            return add_rmsnorm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self(x)
 
