@@ -74,10 +74,6 @@ VARIANTS: dict[str, dict] = {
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
-    "add-norm": {"patch": {"x1_pretrain.model.FUSED_ADD_NORM": True}},
-    "add-norm-opaque": {"patch": {"x1_pretrain.model.FUSED_ADD_NORM": True, "x1_pretrain.kernels.ADD_NORM_BWD_OP": "custom_op"}},
-    "add-norm-r4x2": {"patch": {"x1_pretrain.model.FUSED_ADD_NORM": True,
-                                "x1_pretrain.kernels.ADD_NORM_BWD_LAUNCH": {"BLOCK_R": 4, "ITERS": 2, "num_warps": 4}}},
     "cublaslt": {"blas": "cublaslt"},
 }
 

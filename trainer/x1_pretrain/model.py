@@ -29,7 +29,6 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 # to measure what it brings (docs/PERFORMANCE.md).
 FUSED_ROPE = True
 FUSED_SWIGLU = True
-FUSED_ADD_NORM = False
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -48,25 +47,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.fused = False  # kernels.add_rmsnorm in add_norm (training on CUDA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the autocast dtype, as Llama does; the compiler fuses the casts.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm): a sublayer's output joins the residual stream and is normed for
-        the next sublayer. delta None: x is the stream already."""
-        if delta is None:
-            return x, self(x)
-        if self.fused and FUSED_ADD_NORM:
-            from x1_pretrain.kernels import add_rmsnorm
-
-            return add_rmsnorm(x, delta, self.weight, self.eps)
-        x = x + delta
-        return x, self(x)
 
 
 def rope_tables(head_dim: int, max_len: int, base: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,13 +166,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream is x + delta: the last sublayer's output is added where it is normed,
-        so that the add and the norm are one kernel. Returns the stream and this block's last output."""
-        x, h = self.attn_norm.add_norm(x, delta)
-        x, h = self.mlp_norm.add_norm(x, self.attn(h, cos, sin, cache, layer))
-        return x, self.mlp(h)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
@@ -219,22 +201,22 @@ class Transformer(nn.Module):
             block.attn.backend = backend
 
     def use_kernels(self, on: bool) -> None:
-        """Our Triton kernels (cross-entropy, RoPE, SwiGLU, add + norm) instead of PyTorch's ops; same math."""
+        """Our Triton kernels (cross-entropy, RoPE, SwiGLU) instead of PyTorch's ops; same math."""
         self.fused_loss = on
         for block in self.layers:
-            block.attn.fused = block.mlp.fused = block.attn_norm.fused = block.mlp_norm.fused = on
+            block.attn.fused = block.mlp.fused = on
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states (B, T, d_model)."""
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
-        x, delta = self.tok_emb(idx), None
+        x = self.tok_emb(idx)
         for i, block in enumerate(self.layers):
-            x, delta = block(x, delta, cos, sin, cache, i)
+            x = block(x, cos, sin, cache, i)
         if cache is not None:
             cache.pos += T
-        return self.norm(x + delta)
+        return self.norm(x)
 
     def logits(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits over the real vocabulary (B, T, vocab_size); padded rows are dropped."""
