@@ -75,13 +75,13 @@ def test_every_kernel_compiles_for_ampere_and_hopper(arch):
 
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
-# The forward's one 2-byte load is the target's logit.
 @pytest.mark.parametrize(("kernel", "narrow_loads"), [(losses._ce_fwd_kernel, 1), (losses._ce_bwd_kernel, 0)],
                          ids=["forward", "backward"])
 def test_the_cross_entropy_kernels_read_the_logits_16_bytes_at_a_time(kernel, narrow_loads):
     # As the JIT sees the 50M run: pointers 16-byte aligned, the row stride and the padded width
     # 50304 multiples of 16, the vocabulary 50257 not. A load masked at 50257 compiles to 2-byte
     # loads (the forward kernel of 0b1d327 did: 1.07 ms against 0.73 with 16-byte ones, call 14).
+    # The forward's one 2-byte load left is the target's logit.
     _, signature, (constants, warps) = next(launch for launch in LAUNCHES if launch[0] is kernel)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
                if signature[name].startswith("*") or name in ("stride", "Vp")}
