@@ -75,6 +75,12 @@ VARIANTS: dict[str, dict] = {
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
+    "float8": {"sets": ["train.float8=tensorwise"]},
+    "float8-rowwise": {"sets": ["train.float8=rowwise"]},
+    # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding
+    # parameters): where float8's saving in the matmuls can outgrow its casts. Not the reference's model.
+    "wide": {"sets": ["model.d_model=2048", "model.n_head=16", "model.n_kv_head=4", "model.d_ff=5632",
+                      "model.n_layer=4", "train.micro_batch_size=16"]},
 }
 
 

@@ -132,6 +132,16 @@ class TrainConfig(_Section):
     spike_factor: float = Field(1.5, gt=1, description="a loss over factor x its EMA is a spike")
     spike_ema_beta: float = Field(0.98, gt=0, lt=1, description="EMA of the loss the detector compares against")
     distributed: Literal["ddp", "fsdp2"] = Field("ddp", description="under torchrun: DDP, or FSDP2 fully_shard")
+    float8: Literal["off", "tensorwise", "rowwise"] = Field(
+        "off", description="torchao float8 matmuls for the blocks' linear layers (GPUs of compute capability 8.9+: "
+        "H100, H200, L4, L40S); the tied head stays bf16. Off in the 50M configs: at d_model 768 it measured "
+        "slower (docs/PERFORMANCE.md)"
+    )
+
+    @field_validator("float8", mode="before")
+    @classmethod
+    def _off(cls, v: object) -> object:
+        return "off" if v is False else v  # YAML reads a bare off as false
 
     def grad_accum(self, seq_len: int, world_size: int = 1) -> int:
         per_pass = self.micro_batch_size * seq_len * world_size
@@ -207,7 +217,7 @@ class RunConfig(_Section):
             "model": self.model.model_dump(mode="json", exclude={"attention"}),
             "optim": self.optim.model_dump(mode="json", exclude={"fused"}),
             "train": {"tokens_per_step": t.tokens_per_step, "total_steps": t.total_steps, "seed": t.seed,
-                      "precision": t.precision},
+                      "precision": t.precision, **({"float8": t.float8} if t.float8 != "off" else {})},
         }
 
     def config_hash(self) -> str:

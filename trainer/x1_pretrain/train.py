@@ -484,7 +484,7 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for pkg in ("flash-attn", "transformers", "numpy", "tiktoken", "mlflow-skinny", "mlflow", "safetensors"):
+    for pkg in ("flash-attn", "transformers", "numpy", "tiktoken", "mlflow-skinny", "mlflow", "safetensors", "torchao"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -696,6 +696,11 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     if not d.is_main:  # one voice: rank 0 logs, the others speak only of problems
         logging.getLogger().setLevel(logging.WARNING)
     grad_accum = cfg.grad_accum(d.world_size)  # ConfigError when the world size does not divide
+    if cfg.train.float8 != "off":  # before anything is read or written
+        from x1_pretrain.float8 import unsupported
+
+        if (problem := unsupported(d.device)) is not None:
+            raise DataOrConfigError(f"train.float8={cfg.train.float8}: {problem}; or --set train.float8=off")
     seed_everything(cfg.train.seed)
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -742,6 +747,10 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     backend = attention_backend(cfg.model, d.device)
     raw.set_attention_backend(backend)
     raw.use_kernels(use_kernels(cfg.train.kernels, d.device))
+    if cfg.train.float8 != "off":
+        from x1_pretrain import float8
+
+        float8.convert(raw, cfg.train.float8)
     if cfg.train.distributed == "fsdp2":
         D.wrap(raw, d, "fsdp2")
     fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type == "cuda")

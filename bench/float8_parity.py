@@ -1,0 +1,153 @@
+"""Loss parity of float8 training against the same run without it, on real text.
+
+    python bench/float8_parity.py --data-dir DATA --out DIR [--config configs/x1-50m-h200.yaml]
+        [--steps 300] [--tokens-per-step 65536] [--recipe tensorwise] [--tolerance 0.01] [--set ...]
+
+Trains the config twice with `python -m x1_pretrain.train`, the trainer users run: once as
+configured (bf16 autocast on the GPU configs) and once with `train.float8=RECIPE`, from the same
+seed over the same batches, for --steps optimizer steps of --tokens-per-step tokens (a short
+cosine with a tenth of it as warmup). Then compares
+
+  val loss    — the final eval on the fixed validation windows, and
+  train loss  — the mean of the logged train losses over the last tenth of the steps;
+
+both must differ by no more than --tolerance (relative) for the verdict to be PASS. Writes
+parity.json, parity.png (both loss curves and their relative difference) and each run's log,
+checkpoints and MLflow store under --out. Exit 0 PASS, 1 FAIL, 2 bad input or a run that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # each run's own file:// store, read back here
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def verdict(base: dict, float8: dict, tolerance: float) -> dict:
+    """Both final losses of the float8 run against the baseline's: their relative differences and PASS / FAIL."""
+    val = relative(float8["final_val_loss"], base["final_val_loss"])
+    train = relative(float8["tail_train_loss"], base["tail_train_loss"])
+    return {"val_loss_rel_diff": val, "train_loss_rel_diff": train, "tolerance": tolerance,
+            "verdict": "PASS" if max(val, train) <= tolerance else "FAIL"}
+
+
+def train(name: str, args: argparse.Namespace, sets: list[str]) -> dict:
+    """One run of the trainer; its losses and throughput as MLflow recorded them."""
+    from mlflow.tracking import MlflowClient
+
+    work = args.out / name
+    uri = f"file://{work.resolve()}/mlruns"
+    cmd = [sys.executable, "-m", "x1_pretrain.train", "--config", str(args.config), "--data-dir", str(args.data_dir),
+           "--ckpt-dir", str(work / "ckpt"), "--mlflow-uri", uri, "--total-steps", str(args.steps),
+           "--log-every", str(args.log_every), "--eval-every", str(args.steps), "--ckpt-every", str(args.steps),
+           "--metrics-port", "0", "--heartbeat-file", str(work / "heartbeat.json"), "--run-name", f"parity-{name}",
+           "--set", f"train.tokens_per_step={args.tokens_per_step}",
+           "--set", f"optim.warmup_steps={max(args.steps // 10, 1)}"]
+    for s in [*args.set, *sets]:
+        cmd += ["--set", s]
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "trainer"), os.environ.get("PYTHONPATH", "")]))
+    t = time.perf_counter()
+    with open(work / "train.log", "w") as log:
+        print(f"{name}: training {args.steps} steps ({' '.join(sets) or 'as configured'}), log in {work / 'train.log'}",
+              flush=True)
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    if rc != 0:
+        tail = (work / "train.log").read_text().splitlines()[-15:]
+        raise RunFailed(f"{name}: the trainer exited {rc}:\n" + "\n".join(tail))
+    client = MlflowClient(uri)
+    run_id = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id  # its only run
+
+    def history(key: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+    losses = history("loss")
+    tail = [v for s, v in losses if s > args.steps - max(args.steps // 10, args.log_every)]
+    tps = [v for _, v in history("tokens_per_sec")[1:]]  # the first interval holds the compile
+    return {"name": name, "sets": sets, "loss": losses, "final_val_loss": history("val_loss")[-1][1],
+            "tail_train_loss": statistics.fmean(tail), "tokens_per_sec": statistics.median(tps) if tps else None,
+            "wall_s": round(time.perf_counter() - t, 1)}
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def plot(base: dict, float8: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
+    for run in (base, float8):
+        top.plot(*zip(*run["loss"]), label=f"{run['name']} (val {run['final_val_loss']:.4f})")
+    top.set_ylabel("train loss")
+    top.legend()
+    top.set_title("float8 vs the same run without it")
+    b, f = dict(base["loss"]), dict(float8["loss"])
+    steps = sorted(set(b) & set(f))
+    bottom.plot(steps, [100 * (f[s] - b[s]) / b[s] for s in steps], color="tab:red")
+    bottom.axhline(0, color="grey", lw=0.5)
+    bottom.set_ylabel("difference %")
+    bottom.set_xlabel("optimizer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=REPO / "configs/x1-50m-h200.yaml")
+    p.add_argument("--data-dir", type=Path, required=True, help="tokenized data: train.bin, val.bin, meta.json")
+    p.add_argument("--out", type=Path, required=True, help="folder for both runs, parity.json and parity.png")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run (300)")
+    p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens per optimizer step (65536)")
+    p.add_argument("--recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
+    p.add_argument("--tolerance", type=float, default=0.01, help="largest relative difference of a final loss (0.01)")
+    p.add_argument("--log-every", type=int, default=5, help="steps between logged train losses (5)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="for both runs")
+    args = p.parse_args(argv)
+    problems = [f"--{k.replace('_', '-')} must be positive" for k in ("steps", "tokens_per_step", "log_every")
+                if getattr(args, k) < 1]
+    problems += [f"--data-dir {args.data_dir}: no {f}" for f in ("train.bin", "val.bin", "meta.json")
+                 if not (args.data_dir / f).is_file()]
+    problems += [f"--config {args.config}: no such file"] if not args.config.is_file() else []
+    problems += [f"--out {args.out}: already holds parity.json"] if (args.out / "parity.json").exists() else []
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    try:
+        base = train("baseline", args, ["train.float8=off"])
+        float8 = train(f"float8-{args.recipe}", args, [f"train.float8={args.recipe}"])
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = {"config": str(args.config), "steps": args.steps, "tokens_per_step": args.tokens_per_step,
+              "recipe": args.recipe, "baseline": base, "float8": float8, **verdict(base, float8, args.tolerance)}
+    (args.out / "parity.json").write_text(json.dumps(result, indent=1))
+    plot(base, float8, args.out / "parity.png")
+    tps = {r["name"]: f"{r['tokens_per_sec'] / 1e3:.0f}k" if r["tokens_per_sec"] else "" for r in (base, float8)}
+    print(f"\n{args.steps} steps x {args.tokens_per_step} tokens, {args.config.name}")
+    print("| run | final val loss | train loss, last tenth | tokens/s | wall s |\n|---|---|---|---|---|")
+    for r in (base, float8):
+        print(f"| {r['name']} | {r['final_val_loss']:.4f} | {r['tail_train_loss']:.4f} | {tps[r['name']]} | {r['wall_s']} |")
+    print(f"relative difference: val {result['val_loss_rel_diff'] * 100:.2f}%, train {result['train_loss_rel_diff'] * 100:.2f}% "
+          f"(tolerance {args.tolerance * 100:g}%): {result['verdict']}")
+    return 0 if result["verdict"] == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
