@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One device call for float8 training, in two parts that fit a call each:
-#   PARTS=parity:     the GPU tests of tests/test_float8.py, then bench/float8_parity.py on real text
-#                     (the 50M config as shipped vs float8, same seed and batches);
-#   PARTS=throughput: the plain reference, then our step as shipped, with float8 tensorwise and
-#                     rowwise, and a wide model with and without float8 (bench/train_throughput.py).
-#   REFERENCE=path/to/reference_50m.py TEXT=.device/text OUT=$OUT PARTS="parity throughput" bash bench/device_float8.sh
-# TEXT is `bash bench/device_text.sh`'s output. Writes at most 8 files under $OUT.
+# One device call for float8 training:
+#   parity:     the GPU tests of tests/test_float8.py, then bench/float8_parity.py on real text
+#               (configs/x1-50m-h200.yaml as shipped vs float8, same seed and batches);
+#   throughput: the plain reference, then bench/train_throughput.py for VARIANTS (default: the
+#               step as shipped and with float8 tensorwise).
+#   REFERENCE=path/to/reference_50m.py TEXT=.device/text OUT=$OUT [PARTS="parity throughput"] [DEADLINE=580] bash bench/device_float8.sh
+# TEXT is `bash bench/device_text.sh`'s output. Each variant ends by DEADLINE seconds after the
+# start, so the table is written inside the call's limit. At most 8 files under $OUT.
 set -uo pipefail
 OUT=${OUT:-bench-out}
+DEADLINE=${DEADLINE:-580}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # A host without the Python packages and without network: wheels carried in .device/whl
@@ -15,12 +17,13 @@ export PYTHONPATH="$PWD:$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERE
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/log.txt"
 python3 -c 'import torch, torchao; print("torch", torch.__version__, "torchao", torchao.__version__)' 2>&1 | tail -1 | tee -a "$OUT/log.txt"
 PARTS=${PARTS:-"parity throughput"}
+left() { echo $(( DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1 )); }
 
 if [[ " $PARTS " == *" parity "* ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_float8.py -k gpu 2>&1 | tail -4 | tee -a "$OUT/log.txt"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_float8.py -k gpu 2>&1 | tail -12 | tee -a "$OUT/log.txt"
   rm -rf /tmp/parity
-  timeout "${PARITY_TIMEOUT:-330}" python3 bench/float8_parity.py --data-dir "$TEXT" --out /tmp/parity \
-      --steps "${PARITY_STEPS:-300}" --recipe "${RECIPE:-tensorwise}" 2>&1 | tee -a "$OUT/log.txt"
+  timeout "$(left)" python3 bench/float8_parity.py --data-dir "$TEXT" --out /tmp/parity \
+      --steps "${PARITY_STEPS:-300}" --recipe "${RECIPE:-tensorwise}" ${PARITY_ARGS:-} 2>&1 | tee -a "$OUT/log.txt"
   cp /tmp/parity/parity.json /tmp/parity/parity.png "$OUT/" 2>/dev/null
   for r in /tmp/parity/*/train.log; do echo "== $r"; grep -v "^preflight" "$r"; done > "$OUT/train-logs.txt"
 fi
@@ -28,8 +31,8 @@ fi
 if [[ " $PARTS " == *" throughput "* ]]; then
   python3 "$REFERENCE" 2>&1 | tee "$OUT/reference.txt"
   PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt")
-  for v in ${VARIANTS:-shipped float8 float8-rowwise wide wide+float8}; do
-    timeout "${VARIANT_TIMEOUT:-150}" python3 bench/train_throughput.py --variant "$v" --data-dir "$TEXT" \
+  for v in ${VARIANTS:-shipped float8}; do
+    timeout "$(left)" python3 bench/train_throughput.py --variant "$v" --data-dir "$TEXT" \
         --steps "${STEPS:-6}" --loop-steps 0 ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" \
         2>&1 | grep -v "^preflight" | tee -a "$OUT/variants.txt" | tail -3
   done

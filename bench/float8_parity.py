@@ -43,42 +43,58 @@ def verdict(base: dict, float8: dict, tolerance: float) -> dict:
             "verdict": "PASS" if max(val, train) <= tolerance else "FAIL"}
 
 
-def train(name: str, args: argparse.Namespace, sets: list[str]) -> dict:
-    """One run of the trainer; its losses and throughput as MLflow recorded them."""
-    from mlflow.tracking import MlflowClient
+class Run:
+    """One start of the trainer, writing under OUT/NAME; `result()` waits for it and reads back
+    its losses and throughput as MLflow recorded them."""
 
-    work = args.out / name
-    uri = f"file://{work.resolve()}/mlruns"
-    cmd = [sys.executable, "-m", "x1_pretrain.train", "--config", str(args.config), "--data-dir", str(args.data_dir),
-           "--ckpt-dir", str(work / "ckpt"), "--mlflow-uri", uri, "--total-steps", str(args.steps),
-           "--log-every", str(args.log_every), "--eval-every", str(args.steps), "--ckpt-every", str(args.steps),
-           "--metrics-port", "0", "--heartbeat-file", str(work / "heartbeat.json"), "--run-name", f"parity-{name}",
-           "--set", f"train.tokens_per_step={args.tokens_per_step}",
-           "--set", f"optim.warmup_steps={max(args.steps // 10, 1)}"]
-    for s in [*args.set, *sets]:
-        cmd += ["--set", s]
-    work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "trainer"), os.environ.get("PYTHONPATH", "")]))
-    t = time.perf_counter()
-    with open(work / "train.log", "w") as log:
-        print(f"{name}: training {args.steps} steps ({' '.join(sets) or 'as configured'}), log in {work / 'train.log'}",
-              flush=True)
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
-    if rc != 0:
-        tail = (work / "train.log").read_text().splitlines()[-15:]
-        raise RunFailed(f"{name}: the trainer exited {rc}:\n" + "\n".join(tail))
-    client = MlflowClient(uri)
-    run_id = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id  # its only run
+    def __init__(self, name: str, args: argparse.Namespace, sets: list[str]):
+        self.name, self.sets, self.steps, self.log_every = name, sets, args.steps, args.log_every
+        self.work = args.out / name
+        self.uri = f"file://{self.work.resolve()}/mlruns"
+        cmd = [sys.executable, "-m", "x1_pretrain.train", "--config", str(args.config), "--data-dir", str(args.data_dir),
+               "--ckpt-dir", str(self.work / "ckpt"), "--mlflow-uri", self.uri, "--total-steps", str(args.steps),
+               "--log-every", str(args.log_every), "--eval-every", str(args.steps), "--ckpt-every", str(args.steps),
+               "--metrics-port", "0", "--heartbeat-file", str(self.work / "heartbeat.json"), "--run-name", f"parity-{name}",
+               "--set", f"train.tokens_per_step={args.tokens_per_step}",
+               "--set", f"optim.warmup_steps={max(args.steps // 10, 1)}"]
+        for s in [*args.set, *sets]:
+            cmd += ["--set", s]
+        self.work.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "trainer"), os.environ.get("PYTHONPATH", "")]))
+        print(f"{name}: training {args.steps} steps ({' '.join(sets)}), log in {self.work / 'train.log'}", flush=True)
+        self.t0, self.wall = time.perf_counter(), None
+        with open(self.work / "train.log", "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
-    def history(key: str) -> list[tuple[int, float]]:
-        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    def wait(self) -> int:
+        if self.wall is None:
+            self.proc.wait()
+            self.wall = round(time.perf_counter() - self.t0, 1)
+        return self.proc.returncode
 
-    losses = history("loss")
-    tail = [v for s, v in losses if s > args.steps - max(args.steps // 10, args.log_every)]
-    tps = [v for _, v in history("tokens_per_sec")[1:]]  # the first interval holds the compile
-    return {"name": name, "sets": sets, "loss": losses, "final_val_loss": history("val_loss")[-1][1],
-            "tail_train_loss": statistics.fmean(tail), "tokens_per_sec": statistics.median(tps) if tps else None,
-            "wall_s": round(time.perf_counter() - t, 1)}
+    def result(self) -> dict:
+        from mlflow.tracking import MlflowClient
+
+        if (rc := self.wait()) != 0:
+            tail = (self.work / "train.log").read_text().splitlines()[-15:]
+            raise RunFailed(f"{self.name}: the trainer exited {rc}:\n" + "\n".join(tail))
+        client = MlflowClient(self.uri)
+        run_id = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id  # its only run
+
+        def history(key: str) -> list[tuple[int, float]]:
+            return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+        losses = history("loss")
+        tail = [v for s, v in losses if s > self.steps - max(self.steps // 10, self.log_every)]
+        tps = [v for _, v in history("tokens_per_sec")[1:]]  # the first interval holds the compile
+        return {"name": self.name, "sets": self.sets, "loss": losses, "final_val_loss": history("val_loss")[-1][1],
+                "tail_train_loss": statistics.fmean(tail), "tokens_per_sec": statistics.median(tps) if tps else None,
+                "wall_s": self.wall}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class RunFailed(RuntimeError):
@@ -93,7 +109,7 @@ def plot(base: dict, float8: dict, path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
     for run in (base, float8):
-        top.plot(*zip(*run["loss"]), label=f"{run['name']} (val {run['final_val_loss']:.4f})")
+        top.plot(*zip(*run["loss"], strict=True), label=f"{run['name']} (val {run['final_val_loss']:.4f})")
     top.set_ylabel("train loss")
     top.legend()
     top.set_title("float8 vs the same run without it")
@@ -119,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.01, help="largest relative difference of a final loss (0.01)")
     p.add_argument("--log-every", type=int, default=5, help="steps between logged train losses (5)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="for both runs")
+    p.add_argument("--together", action="store_true",
+                   help="run both at once on the one GPU: the compiles overlap (minutes saved); no tokens/s reported")
     args = p.parse_args(argv)
     problems = [f"--{k.replace('_', '-')} must be positive" for k in ("steps", "tokens_per_step", "log_every")
                 if getattr(args, k) < 1]
@@ -129,17 +147,26 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
+    runs: list[Run] = []
     try:
-        base = train("baseline", args, ["train.float8=off"])
-        float8 = train(f"float8-{args.recipe}", args, [f"train.float8={args.recipe}"])
+        for name, sets in (("baseline", ["train.float8=off"]), (f"float8-{args.recipe}", [f"train.float8={args.recipe}"])):
+            runs.append(Run(name, args, sets))
+            if not args.together and runs[-1].wait() != 0:
+                runs[-1].result()  # raises RunFailed with the end of its log
+        base, float8 = (run.result() for run in runs)
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        for run in runs:
+            run.kill()
+    if args.together:  # two processes shared the GPU: their tokens/s say nothing about float8
+        base["tokens_per_sec"] = float8["tokens_per_sec"] = None
     result = {"config": str(args.config), "steps": args.steps, "tokens_per_step": args.tokens_per_step,
               "recipe": args.recipe, "baseline": base, "float8": float8, **verdict(base, float8, args.tolerance)}
     (args.out / "parity.json").write_text(json.dumps(result, indent=1))
     plot(base, float8, args.out / "parity.png")
-    tps = {r["name"]: f"{r['tokens_per_sec'] / 1e3:.0f}k" if r["tokens_per_sec"] else "" for r in (base, float8)}
+    tps = {r["name"]: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "" for r in (base, float8)}
     print(f"\n{args.steps} steps x {args.tokens_per_step} tokens, {args.config.name}")
     print("| run | final val loss | train loss, last tenth | tokens/s | wall s |\n|---|---|---|---|---|")
     for r in (base, float8):

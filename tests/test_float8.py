@@ -9,7 +9,6 @@ import copy
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -156,23 +155,27 @@ needs_float8_gpu = pytest.mark.skipif(
 @needs_float8_gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_on_the_gpu_computes_the_50m_models_loss_and_gradients_within_float8_rounding(recipe):
-    cfg = load_config(CONFIGS / "x1-50m-h200.yaml").model
+    # The 50M model's widths, two of its blocks, eager: the trainer's compiled path is what
+    # bench/float8_parity.py runs.
+    cfg = load_config(CONFIGS / "x1-50m-h200.yaml", ["model.n_layer=2"]).model
     torch.manual_seed(0)
     ref = Transformer(cfg).cuda()
     f8 = copy.deepcopy(ref)
     assert len(float8.convert(f8, recipe)) == 4 * cfg.n_layer
-    compiled = torch.compile(f8)
-    w = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), device="cuda")
+    w = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), device="cuda")
     losses = []
-    for model in (ref, compiled):
+    for model in (ref, f8):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(w[:, :-1], w[:, 1:])
         loss.backward()
         losses.append(loss.item())
-    assert abs(losses[1] - losses[0]) / losses[0] < 1e-2, losses
-    for (name, p_ref), p_f8 in zip(ref.named_parameters(), f8.parameters(), strict=True):
-        cos = torch.nn.functional.cosine_similarity(p_ref.grad.flatten().float(), p_f8.grad.flatten().float(), dim=0).item()
-        assert cos > 0.98, f"{name}: cosine {cos:.4f} between the gradients"
+    cosines = {name: torch.nn.functional.cosine_similarity(p_ref.grad.flatten().float(), p_f8.grad.flatten().float(),
+                                                           dim=0).item()
+               for (name, p_ref), p_f8 in zip(ref.named_parameters(), f8.parameters(), strict=True)}
+    worst = min(cosines, key=cosines.get)
+    summary = f"losses {losses}; gradient cosines {({k: round(v, 4) for k, v in cosines.items()})}"
+    assert losses[1] != losses[0] and abs(losses[1] - losses[0]) / losses[0] < 1e-2, summary
+    assert cosines[worst] > 0.98, summary
 
 
 if __name__ == "__main__":
