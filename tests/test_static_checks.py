@@ -573,6 +573,16 @@ def test_requirements_pin_every_dependency_of_the_services_extra(folder, extra):
         assert req.specifier.contains(version, prereleases=True), f"{folder}: {name}=={version} breaks {req}"
 
 
+def test_the_trainer_image_installs_torchao_only_when_built_for_float8():
+    pins = pinned(REPO / "trainer" / "requirements-float8.txt")
+    for name, req in pyproject_extra("float8").items():
+        assert name in pins, f"trainer/requirements-float8.txt does not pin {req}"
+        assert req.specifier.contains(next(iter(pins[name].specifier)).version)
+    text = DOCKERFILES["trainer"].read_text(encoding="utf-8")
+    assert "ARG FLOAT8=0" in text and 'if [ "$FLOAT8" = 1 ]' in text
+    assert "-r /tmp/requirements-float8.txt -c /tmp/x1-keep.txt" in text  # the image's torch stays
+
+
 @pytest.mark.parametrize("folder", ["budget-sidecar", "watchdog", "mlflow-server"])
 def test_dockerfile_installs_its_own_requirements(folder):
     text = DOCKERFILES[folder].read_text(encoding="utf-8")
