@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # each run's own file:// store, read back here
+sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 
 def relative(a: float, b: float) -> float:
@@ -73,21 +73,16 @@ class Run:
         return self.proc.returncode
 
     def result(self) -> dict:
-        from mlflow.tracking import MlflowClient
+        from x1_pretrain.export_run import load_run
 
         if (rc := self.wait()) != 0:
             tail = (self.work / "train.log").read_text().splitlines()[-15:]
             raise RunFailed(f"{self.name}: the trainer exited {rc}:\n" + "\n".join(tail))
-        client = MlflowClient(self.uri)
-        run_id = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id  # its only run
-
-        def history(key: str) -> list[tuple[int, float]]:
-            return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-
-        losses = history("loss")
+        record = load_run(self.uri)
+        losses = record.get("loss")
         tail = [v for s, v in losses if s > self.steps - max(self.steps // 10, self.log_every)]
-        tps = [v for _, v in history("tokens_per_sec")[1:]]  # the first interval holds the compile
-        return {"name": self.name, "sets": self.sets, "loss": losses, "final_val_loss": history("val_loss")[-1][1],
+        tps = [v for _, v in record.get("tokens_per_sec")[1:]]  # the first interval holds the compile
+        return {"name": self.name, "sets": self.sets, "loss": losses, "final_val_loss": record.last("val_loss")[1],
                 "tail_train_loss": statistics.fmean(tail), "tokens_per_sec": statistics.median(tps) if tps else None,
                 "wall_s": self.wall}
 

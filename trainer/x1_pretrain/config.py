@@ -23,6 +23,11 @@ class ConfigError(ValueError):
     """A config that cannot run. The message starts with the dotted field name."""
 
 
+def _yaml_word(v: object) -> object:
+    """A bare on / off, in a file or in --set, is a boolean to YAML: give the word back."""
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -91,8 +96,7 @@ class OptimConfig(_Section):
     @field_validator("fused", mode="before")
     @classmethod
     def _on_off(cls, v: object) -> object:
-        # YAML reads a bare on / off (in a file or in --set) as a boolean.
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+        return _yaml_word(v)
 
     @model_validator(mode="after")
     def _lrs(self) -> OptimConfig:
@@ -141,7 +145,7 @@ class TrainConfig(_Section):
     @field_validator("float8", mode="before")
     @classmethod
     def _off(cls, v: object) -> object:
-        return "off" if v is False else v  # YAML reads a bare off as false
+        return _yaml_word(v)
 
     def grad_accum(self, seq_len: int, world_size: int = 1) -> int:
         per_pass = self.micro_batch_size * seq_len * world_size

@@ -66,10 +66,10 @@ def convert(model: nn.Module, recipe: str) -> list[str]:
     parameters are the same objects afterwards, so an optimizer may be built before or after."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    converted = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and eligible(m, name)]
-    convert_to_float8_training(model, module_filter_fn=eligible, config=Float8LinearConfig.from_recipe_name(recipe))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    converted = [name for name, m in linears.items() if eligible(m, name)]
     skipped = sorted(set(linears) - set(converted))
+    convert_to_float8_training(model, module_filter_fn=eligible, config=Float8LinearConfig.from_recipe_name(recipe))
     log.info("float8 (%s): %d linear layers in float8, the tied head as it was%s", recipe, len(converted),
              f"; also as they were (a size not a multiple of 16): {', '.join(skipped)}" if skipped else "")
     return converted
