@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from conftest import TINY_CONFIG
@@ -34,7 +35,10 @@ def test_a_death_while_compiling_falls_back_to_mode_default_then_to_eager(tmp_pa
 
 
 def compiled_runs(tmp_path, tiny_data, key: str, values: tuple[str, str]) -> list[tuple[str, object]]:
-    """Two 4-step compiled runs of the tiny config differing in train.<key>: (stderr, final weights path)."""
+    """Two 4-step compiled runs of the tiny config differing in train.<key>: (stderr, final weights path).
+
+    Steps 1-3 carry an injected spike, whose batches come from another path than the loader's;
+    neither those nor the loader's first batches may compile a graph the warm-up did not."""
     from conftest import run_module, train_args
 
     out = []
@@ -42,10 +46,28 @@ def compiled_runs(tmp_path, tiny_data, key: str, values: tuple[str, str]) -> lis
         ckpt = tmp_path / value
         ckpt.mkdir()
         proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
-                          "--set", "train.compile=true", "--set", f"train.{key}={value}")
+                          "--set", "train.compile=true", "--set", f"train.{key}={value}", "--inject-spike-at-step", "1")
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "after the warm-up" not in proc.stderr, proc.stderr[-3000:]
         out.append((proc.stderr, ckpt / "final.safetensors"))
     return out
+
+
+def test_the_compile_watch_counts_a_recompile_caused_by_other_strides():
+    import torch
+
+    from x1_pretrain.data import split_window
+    from x1_pretrain.train import CompileWatch
+
+    f = torch.compile(lambda x: (x * 2).sum(), backend="eager")
+    w = np.arange(2 * 9).reshape(2, 9)
+    x, _ = split_window(w)
+    f(x)
+    watch = CompileWatch()
+    f(split_window(w)[0])  # the same shape and strides: the cached graph
+    assert watch.new_graphs() == 0
+    f(torch.from_numpy(w)[:, :-1])  # a (2, 8) view of (2, 9): other strides, a second graph
+    assert watch.new_graphs() == 1
 
 
 def test_a_cuda_graph_compile_mode_trains_the_same_weights_as_mode_default(tmp_path, tiny_data):

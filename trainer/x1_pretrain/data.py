@@ -307,6 +307,20 @@ class _Failure:
 _END = object()
 
 
+def split_window(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T+1) windows -> inputs and targets, (B, T) int64 each, contiguous.
+
+    Every batch the compiled model sees comes through here (the loop's, the warm-up's, the
+    injected spike's): torch.compile guards on strides, and a (B, T) view of a (B, T+1) tensor
+    has other strides than a contiguous one, so one odd batch recompiles the whole graph.
+    """
+    import torch
+
+    x = torch.from_numpy(np.ascontiguousarray(w[:, :-1], dtype=np.int64))
+    y = torch.from_numpy(np.ascontiguousarray(w[:, 1:], dtype=np.int64))
+    return x, y
+
+
 class Prefetcher:
     """Prepares micro-batches on a background thread and copies them to the device ahead of use.
 
@@ -341,9 +355,7 @@ class Prefetcher:
     def _prepare(self, step: int, micro: int) -> tuple[int, int, Any, Any, Any]:
         import torch
 
-        w = self.source(step, micro)  # (B, T+1) int64
-        x = torch.from_numpy(np.ascontiguousarray(w[:, :-1], dtype=np.int64))  # (B, T)
-        y = torch.from_numpy(np.ascontiguousarray(w[:, 1:], dtype=np.int64))  # (B, T)
+        x, y = split_window(self.source(step, micro))
         if not self.cuda:
             return step, micro, x.to(self.device), y.to(self.device), None
         if self.pin:

@@ -37,6 +37,7 @@ from x1_pretrain import preflight
 from x1_pretrain.accounting import flops_per_token
 from x1_pretrain.checkpoint import Checkpointer, TrainerState, capture_rng, restore_rng
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
+from x1_pretrain.data import split_window
 from x1_pretrain.model import Transformer, attention_backend, param_groups
 from x1_pretrain.spikes import SpikeDetector, SpikeInjector
 
@@ -127,6 +128,27 @@ class Throughput:
         return tokens / seconds, seconds, tokens
 
 
+class CompileWatch:
+    """Counts the graphs torch.compile builds after the warm-up. There should be none: a
+    recompile mid-run costs seconds to minutes and usually means an input changed its shape,
+    strides or dtype (TORCH_LOGS=recompiles names the guard that failed)."""
+
+    def __init__(self) -> None:
+        self.seen = self._count()
+
+    @staticmethod
+    def _count() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"]) + int(counters["compiled_autograd"]["captures"])
+
+    def new_graphs(self) -> int:
+        """Graphs built since the last call."""
+        now = self._count()
+        new, self.seen = now - self.seen, now
+        return new
+
+
 @dataclass
 class Run:
     """Every component the loop touches, built once by `setup`."""
@@ -153,6 +175,7 @@ class Run:
     peak_tflops: float
     measured_peak_tflops: float | None
     throughput: Throughput = field(default_factory=Throughput)
+    compiles: CompileWatch = field(default_factory=CompileWatch)
     cudagraphs: bool = False  # compiled with a mode that replays CUDA graphs
     backward_context: Any = contextlib.nullcontext  # compiled autograd, when on
     last_saved_step: int = -1
@@ -251,14 +274,10 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
         s, m, x, y = next(run.batches)
         assert (s, m) == (step, micro), f"batch order broken: got {(s, m)} for {(step, micro)}"
         if run.injector.active(step, run.detector):
-            w = torch.from_numpy(run.injector.windows(step, micro, x.size(0))).to(run.dist.device)
-            x, y = w[:, :-1], w[:, 1:]
+            x, y = (t.to(run.dist.device) for t in split_window(run.injector.windows(step, micro, x.size(0))))
         # The backward too runs inside: FSDP2 decides at its end whether to reduce-scatter.
         with D.maybe_no_sync(run.model, sync=micro == run.grad_accum - 1):
-            with run.autocast():
-                loss = run.model(x, y)
-            with run.backward_context():
-                loss.backward(weight)
+            loss = forward_backward(run, run.model, x, y, weight)
         total += loss.detach()
         # A single process can stop between micro-steps; ranks of a group agree once per step
         # (stopping alone mid-accumulation would leave the others waiting in an all-reduce).
@@ -267,6 +286,17 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
     if run.injector.active(step, run.detector):
         run.sink.log(step + 1, {"spike_injected": 1.0})
     return total / run.grad_accum, False
+
+
+def forward_backward(run: Run, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss, and its backward scaled by `weight` (1 / grad_accum). The warm-up
+    calls this too: the same call is the same compiled graph, forward and backward."""
+    with run.autocast():
+        loss = model(x, y)
+    with run.backward_context():
+        loss.backward(weight)
+    return loss
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +324,10 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
     }
     if run.measured_peak_tflops:
         metrics["mfu_measured_peak"] = tps_per_gpu * run.flops_per_token / (run.measured_peak_tflops * 1e12)
+    if graphs := run.compiles.new_graphs():
+        metrics["recompiled_graphs"] = float(graphs)
+        log.warning("torch.compile built %d graph(s) after the warm-up, since the last log step: a recompile "
+                    "costs seconds to minutes (TORCH_LOGS=recompiles names the guard that failed)", graphs)
     spent = run.guard.spent_usd_now()
     if spent is not None:
         metrics["spent_usd"] = spent
@@ -615,16 +649,17 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
     while mode is not None or d.device.type == "cuda":  # CPU eager has nothing to find out
         run.sink.heartbeat.beat(run.state.step, "compiling" if mode else "startup")
         model = torch.compile(raw, mode=mode) if mode is not None else raw
-        w = torch.from_numpy(run.warmup_batch(run.micro_batch)).to(d.device)
+        # The first step's batch as the loop gets it (contiguous, on the device) and the loop's
+        # backward weight: any difference from the loop's call would compile a second graph at
+        # the first real step (~27 s on an H200) instead of here.
+        x, y = (t.to(d.device) for t in split_window(run.warmup_batch(run.micro_batch)))
+        weight = torch.full((), 1.0 / run.grad_accum, device=d.device)
         t = time.perf_counter()
         try:
             # Compiled autograd compiles a second graph for a backward that adds into existing
             # gradients: run that one here too, so that a failure falls back now, not mid-run.
             for _ in range(1 if run.backward_context is contextlib.nullcontext else 2):
-                with run.autocast():
-                    loss = model(w[:, :-1], w[:, 1:])
-                with run.backward_context():
-                    loss.backward()
+                forward_backward(run, model, x, y, weight)
             failed = 0
         except torch.cuda.OutOfMemoryError:
             failed = 2
@@ -802,6 +837,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
     warm_up(run, compile_choice(cfg, Path(cfg.checkpoint.dir), previous_heartbeat), Path(cfg.checkpoint.dir))
     run.throughput = Throughput()
+    run.compiles = CompileWatch()
     sink.heartbeat.beat(state.step, "training")
     return run
 
