@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for float8 training:
-#   parity:     the GPU tests of tests/test_float8.py, then bench/float8_parity.py on real text
+#   parity:     the GPU tests of tests/test_float8.py, then bench/loss_parity.py on real text
 #               (configs/x1-50m-h200.yaml as shipped vs float8, same seed and batches);
 #   throughput: the plain reference, then bench/train_throughput.py for VARIANTS (default: the
 #               step as shipped and with float8 tensorwise).
@@ -22,7 +22,7 @@ left() { echo $(( DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1 )); }
 if [[ " $PARTS " == *" parity "* ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_float8.py -k gpu 2>&1 | tail -12 | tee -a "$OUT/log.txt"
   rm -rf /tmp/parity
-  timeout "$(left)" python3 bench/float8_parity.py --data-dir "$TEXT" --out /tmp/parity \
+  timeout "$(left)" python3 bench/loss_parity.py --data-dir "$TEXT" --out /tmp/parity \
       --steps "${PARITY_STEPS:-300}" --recipe "${RECIPE:-tensorwise}" ${PARITY_ARGS:-} 2>&1 | tee -a "$OUT/log.txt"
   cp /tmp/parity/parity.json /tmp/parity/parity.png "$OUT/" 2>/dev/null
   for r in /tmp/parity/*/train.log; do echo "== $r"; grep -v "^preflight" "$r"; done > "$OUT/train-logs.txt"

@@ -107,7 +107,7 @@ def test_a_trainer_without_torchao_refuses_float8_with_exit_2_and_writes_nothing
 
 @pytest.fixture(scope="module")
 def parity():
-    spec = importlib.util.spec_from_file_location("float8_parity", REPO / "bench" / "float8_parity.py")
+    spec = importlib.util.spec_from_file_location("loss_parity", REPO / "bench" / "loss_parity.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -129,7 +129,7 @@ def test_parity_benchmark_trains_both_runs_and_the_float8_weights_load_as_a_plai
     printed = capsys.readouterr().out
     result = json.loads((out / "parity.json").read_text())
     assert code == (0 if result["verdict"] == "PASS" else 1) and result["verdict"] in printed
-    base, f8 = result["baseline"], result["float8"]
+    base, f8 = result["baseline"], result["candidate"]
     assert [s for s, _ in base["loss"]] == [s for s, _ in f8["loss"]] == list(range(2, 13, 2))
     assert base["loss"][-1][1] < base["loss"][0][1] and f8["loss"][-1][1] < f8["loss"][0][1]
     assert result["val_loss_rel_diff"] == pytest.approx(abs(f8["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"])
@@ -156,7 +156,7 @@ needs_float8_gpu = pytest.mark.skipif(
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_on_the_gpu_computes_the_50m_models_loss_and_gradients_within_float8_rounding(recipe):
     # The 50M model's widths, two of its blocks, eager: the trainer's compiled path is what
-    # bench/float8_parity.py runs.
+    # bench/loss_parity.py runs.
     cfg = load_config(CONFIGS / "x1-50m-h200.yaml", ["model.n_layer=2"]).model
     torch.manual_seed(0)
     ref = Transformer(cfg).cuda()

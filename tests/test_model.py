@@ -162,3 +162,27 @@ def test_tiny_model_overfits_one_fixed_batch():
             break
     assert loss.item() < 0.1
 
+
+
+def test_a_bf16_residual_stream_stays_bf16_between_blocks_and_keeps_the_loss():
+    torch.manual_seed(0)
+    model = Transformer(tiny())
+    idx = torch.randint(0, 50257, (2, 32))
+    targets = torch.randint(0, 50257, (2, 32))
+    seen: list[torch.dtype] = []
+    for block in model.layers:
+        block.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32_stream = model(idx, targets)
+        assert seen == [torch.float32] * len(model.layers)  # plain autocast: the embedding's dtype
+        seen.clear()
+        model.residual_dtype = torch.bfloat16
+        bf16_stream = model(idx, targets)
+    assert seen == [torch.bfloat16] * len(model.layers)
+    assert bf16_stream.item() == pytest.approx(fp32_stream.item(), rel=5e-3)
+
+
+def test_the_residual_dtype_enters_the_config_hash_only_when_it_is_not_the_default():
+    base = load_config(TINY_CONFIG)
+    assert load_config(TINY_CONFIG, ["train.residual=fp32"]).config_hash() == base.config_hash()
+    assert load_config(TINY_CONFIG, ["train.residual=bf16"]).config_hash() != base.config_hash()

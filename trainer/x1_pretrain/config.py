@@ -136,6 +136,11 @@ class TrainConfig(_Section):
     spike_factor: float = Field(1.5, gt=1, description="a loss over factor x its EMA is a spike")
     spike_ema_beta: float = Field(0.98, gt=0, lt=1, description="EMA of the loss the detector compares against")
     distributed: Literal["ddp", "fsdp2"] = Field("ddp", description="under torchrun: DDP, or FSDP2 fully_shard")
+    residual: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of the residual stream between blocks under bf16-mixed: fp32 (the embedding's "
+        "dtype, as plain autocast leaves it) or bf16 (as TorchTitan's bf16 training keeps it): every norm and "
+        "residual add then moves half the bytes; the norms still compute in fp32"
+    )
     float8: Literal["off", "tensorwise", "rowwise"] = Field(
         "off", description="torchao float8 matmuls for the blocks' linear layers (GPUs of compute capability 8.9+: "
         "H100, H200, L4, L40S); the tied head stays bf16. Off in the 50M configs: at d_model 768 it measured "
@@ -221,7 +226,8 @@ class RunConfig(_Section):
             "model": self.model.model_dump(mode="json", exclude={"attention"}),
             "optim": self.optim.model_dump(mode="json", exclude={"fused"}),
             "train": {"tokens_per_step": t.tokens_per_step, "total_steps": t.total_steps, "seed": t.seed,
-                      "precision": t.precision, **({"float8": t.float8} if t.float8 != "off" else {})},
+                      "precision": t.precision, **({"float8": t.float8} if t.float8 != "off" else {}),
+                      **({"residual": t.residual} if t.residual != "fp32" else {})},
         }
 
     def config_hash(self) -> str:

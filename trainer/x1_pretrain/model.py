@@ -182,6 +182,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.fused_loss = False  # losses.fused_cross_entropy instead of an fp32 copy of the logits
+        # None: the stream keeps the embedding's dtype (fp32). bf16: cast once after the lookup;
+        # under bf16 autocast every block's output is bf16 too, so the whole stream stays bf16.
+        self.residual_dtype: torch.dtype | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -211,7 +214,9 @@ class Transformer(nn.Module):
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
-        x = self.tok_emb(idx)
+        x = self.tok_emb(idx)  # (B, T, d_model)
+        if self.residual_dtype is not None:
+            x = x.to(self.residual_dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, cache, i)
         if cache is not None:

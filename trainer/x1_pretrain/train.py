@@ -782,6 +782,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     backend = attention_backend(cfg.model, d.device)
     raw.set_attention_backend(backend)
     raw.use_kernels(use_kernels(cfg.train.kernels, d.device))
+    if cfg.train.residual == "bf16":
+        raw.residual_dtype = torch.bfloat16
     if cfg.train.float8 != "off":
         from x1_pretrain import float8
 

@@ -1,12 +1,15 @@
-"""Loss parity of float8 training against the same run without it, on real text.
+"""Loss parity of a training lever against the same run without it, on real text.
 
-    python bench/float8_parity.py --data-dir DATA --out DIR [--config configs/x1-50m-h200.yaml]
-        [--steps 300] [--tokens-per-step 65536] [--recipe tensorwise] [--tolerance 0.01] [--set ...]
+    python bench/loss_parity.py --data-dir DATA --out DIR [--config configs/x1-50m-h200.yaml]
+        [--steps 300] [--tokens-per-step 65536] [--tolerance 0.01] [--set ...]
+        [--recipe tensorwise | --baseline SECTION.FIELD=VALUE ... --candidate SECTION.FIELD=VALUE ...]
 
-Trains the config twice with `python -m x1_pretrain.train`, the trainer users run: once as
-configured (bf16 autocast on the GPU configs) and once with `train.float8=RECIPE`, from the same
+Trains the config twice with `python -m x1_pretrain.train`, the trainer users run, from the same
 seed over the same batches, for --steps optimizer steps of --tokens-per-step tokens (a short
-cosine with a tenth of it as warmup). Then compares
+cosine with a tenth of it as warmup): once with the --baseline overrides, once with the
+--candidate ones. Without them it compares float8 training (`train.float8=RECIPE`) with the same
+run in bf16; `--baseline train.kernels=torch --candidate train.kernels=triton`, say, compares our
+kernels with PyTorch's plain ops. Then compares
 
   val loss    — the final eval on the fixed validation windows, and
   train loss  — the mean of the logged train losses over the last tenth of the steps;
@@ -35,10 +38,10 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def verdict(base: dict, float8: dict, tolerance: float) -> dict:
-    """Both final losses of the float8 run against the baseline's: their relative differences and PASS / FAIL."""
-    val = relative(float8["final_val_loss"], base["final_val_loss"])
-    train = relative(float8["tail_train_loss"], base["tail_train_loss"])
+def verdict(base: dict, candidate: dict, tolerance: float) -> dict:
+    """Both final losses of the candidate run against the baseline's: their relative differences and PASS / FAIL."""
+    val = relative(candidate["final_val_loss"], base["final_val_loss"])
+    train = relative(candidate["tail_train_loss"], base["tail_train_loss"])
     return {"val_loss_rel_diff": val, "train_loss_rel_diff": train, "tolerance": tolerance,
             "verdict": "PASS" if max(val, train) <= tolerance else "FAIL"}
 
@@ -96,19 +99,19 @@ class RunFailed(RuntimeError):
     pass
 
 
-def plot(base: dict, float8: dict, path: Path) -> None:
+def plot(base: dict, candidate: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
-    for run in (base, float8):
+    for run in (base, candidate):
         top.plot(*zip(*run["loss"], strict=True), label=f"{run['name']} (val {run['final_val_loss']:.4f})")
     top.set_ylabel("train loss")
     top.legend()
-    top.set_title("float8 vs the same run without it")
-    b, f = dict(base["loss"]), dict(float8["loss"])
+    top.set_title(f"{candidate['name']} vs {base['name']}")
+    b, f = dict(base["loss"]), dict(candidate["loss"])
     steps = sorted(set(b) & set(f))
     bottom.plot(steps, [100 * (f[s] - b[s]) / b[s] for s in steps], color="tab:red")
     bottom.axhline(0, color="grey", lw=0.5)
@@ -126,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="folder for both runs, parity.json and parity.png")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run (300)")
     p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens per optimizer step (65536)")
-    p.add_argument("--recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
+    p.add_argument("--recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+                   help="float8 recipe of the candidate when neither --baseline nor --candidate is given")
+    p.add_argument("--baseline", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="overrides of the baseline run (default: train.float8=off)")
+    p.add_argument("--candidate", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="overrides of the candidate run (default: train.float8=RECIPE)")
     p.add_argument("--tolerance", type=float, default=0.01, help="largest relative difference of a final loss (0.01)")
     p.add_argument("--log-every", type=int, default=5, help="steps between logged train losses (5)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="for both runs")
@@ -144,27 +152,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs: list[Run] = []
     try:
-        for name, sets in (("baseline", ["train.float8=off"]), (f"float8-{args.recipe}", [f"train.float8={args.recipe}"])):
+        if args.baseline or args.candidate:
+            pairs = (("baseline", args.baseline), ("candidate", args.candidate))
+        else:
+            pairs = (("baseline", ["train.float8=off"]), (f"float8-{args.recipe}", [f"train.float8={args.recipe}"]))
+        for name, sets in pairs:
             runs.append(Run(name, args, sets))
             if not args.together and runs[-1].wait() != 0:
                 runs[-1].result()  # raises RunFailed with the end of its log
-        base, float8 = (run.result() for run in runs)
+        base, candidate = (run.result() for run in runs)
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         for run in runs:
             run.kill()
-    if args.together:  # two processes shared the GPU: their tokens/s say nothing about float8
-        base["tokens_per_sec"] = float8["tokens_per_sec"] = None
+    if args.together:  # two processes shared the GPU: their tokens/s say nothing about the lever
+        base["tokens_per_sec"] = candidate["tokens_per_sec"] = None
     result = {"config": str(args.config), "steps": args.steps, "tokens_per_step": args.tokens_per_step,
-              "recipe": args.recipe, "baseline": base, "float8": float8, **verdict(base, float8, args.tolerance)}
+              "baseline": base, "candidate": candidate, **verdict(base, candidate, args.tolerance)}
     (args.out / "parity.json").write_text(json.dumps(result, indent=1))
-    plot(base, float8, args.out / "parity.png")
-    tps = {r["name"]: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "" for r in (base, float8)}
+    plot(base, candidate, args.out / "parity.png")
+    tps = {r["name"]: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "" for r in (base, candidate)}
     print(f"\n{args.steps} steps x {args.tokens_per_step} tokens, {args.config.name}")
     print("| run | final val loss | train loss, last tenth | tokens/s | wall s |\n|---|---|---|---|---|")
-    for r in (base, float8):
+    for r in (base, candidate):
         print(f"| {r['name']} | {r['final_val_loss']:.4f} | {r['tail_train_loss']:.4f} | {tps[r['name']]} | {r['wall_s']} |")
     print(f"relative difference: val {result['val_loss_rel_diff'] * 100:.2f}%, train {result['train_loss_rel_diff'] * 100:.2f}% "
           f"(tolerance {args.tolerance * 100:g}%): {result['verdict']}")
