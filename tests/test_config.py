@@ -25,8 +25,8 @@ def test_seed_config_has_the_seed_tables():
     assert (m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.seq_len, m.vocab_size) == (8, 768, 12, 4, 2048, 1024, 50257)
     assert (m.rope_base, m.init_std, m.padded_vocab_size) == (10000, 0.02, 50304)
     assert (o.lr, o.min_lr, o.warmup_steps, o.beta1, o.beta2, o.weight_decay, o.grad_clip) == (3e-4, 3e-5, 1000, 0.9, 0.95, 0.1, 1.0)
-    assert (t.tokens_per_step, t.micro_batch_size, t.seed, t.precision) == (524288, 32, 42, "bf16-mixed")
-    assert cfg.grad_accum(1) == 16 and cfg.grad_accum(2) == 8 and cfg.grad_accum(8) == 2
+    assert (t.tokens_per_step, t.micro_batch_size, t.seed, t.precision) == (524288, 64, 42, "bf16-mixed")
+    assert cfg.grad_accum(1) == 8 and cfg.grad_accum(2) == 4 and cfg.grad_accum(8) == 1
 
 
 def test_tiny_config_divides_at_one_and_two_processes():
