@@ -367,18 +367,7 @@ class Lease:
             self.path = saved
 
     def _verdict(self, seen: Seen) -> Verdict:
-        owner = seen.owner
-        if owner.boot_id is not None and owner.boot_id == boot_id():
-            held = lock_held(self.folder / owner.lock_file) if owner.lock_file else None
-            if held is True:
-                return Verdict(True, "it holds its lock on this host")
-            if held is False:
-                return Verdict(False, "it is not running on this host (its lock is free)")
-            if owner.pid_ns is not None and owner.pid_ns == pid_namespace():
-                if proc_start_ticks(owner.pid) == owner.start_ticks:
-                    return Verdict(True, f"pid {owner.pid} is running on this host")
-                return Verdict(False, f"pid {owner.pid} is not running on this host")
-        return self._watch(seen)
+        return local_verdict(self.folder, seen.owner) or self._watch(seen)
 
     def _watch(self, seen: Seen) -> Verdict:
         """Another host's owner (or one we cannot see): alive while its heartbeat moves."""
@@ -473,6 +462,58 @@ class Lease:
                 os.unlink(self.folder / self.owner.lock_file)
         with contextlib.suppress(ValueError):
             atexit.unregister(self.release)
+
+
+def local_verdict(folder: Path, owner: Owner) -> Verdict | None:
+    """Alive or dead at once, for an owner on this kernel; None when only its heartbeat can tell."""
+    if owner.boot_id is None or owner.boot_id != boot_id():
+        return None
+    held = lock_held(folder / owner.lock_file) if owner.lock_file else None
+    if held is True:
+        return Verdict(True, "it holds its lock on this host")
+    if held is False:
+        return Verdict(False, "it is not running on this host (its lock is free)")
+    if owner.pid_ns is not None and owner.pid_ns == pid_namespace():
+        if proc_start_ticks(owner.pid) == owner.start_ticks:
+            return Verdict(True, f"pid {owner.pid} is running on this host")
+        return Verdict(False, f"pid {owner.pid} is not running on this host")
+    return None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What `probe` sees: the recorded owner (None: no lease) and whether it looks alive."""
+
+    owner: Owner | None
+    alive: bool
+    why: str
+    local: bool  # judged on this kernel (certain) rather than by the heartbeat's age
+
+
+def probe(folder: str | os.PathLike[str], stale_seconds: float | None = None) -> Probe:
+    """The owner of `folder` and a judgement made at once, without waiting (for `status`, and to
+    refuse early); taking the lease still goes through Lease.acquire, which watches a foreign one."""
+    folder = Path(folder)
+    path = folder / LEASE_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return Probe(None, False, "no lease", True)
+    try:
+        mtime = os.fstat(fd).st_mtime
+        owner = Owner.from_json(os.read(fd, 1 << 16).decode("utf-8", errors="replace"))
+    except (ValueError, TypeError):
+        return Probe(None, False, f"{path} is not a lease record", True)
+    finally:
+        os.close(fd)
+    verdict = local_verdict(folder, owner)
+    if verdict is not None:
+        return Probe(owner, verdict.alive, verdict.why, True)
+    stale = max(stale_seconds_from_env() if stale_seconds is None else stale_seconds, 6 * owner.heartbeat_seconds)
+    age = time.time() - mtime
+    if age < stale:
+        return Probe(owner, True, f"its heartbeat is {max(age, 0):.0f} s old (on another host)", False)
+    return Probe(owner, False, f"its heartbeat is {age:.0f} s old, over {stale:g} s (on another host)", False)
 
 
 def lock_held(path: Path) -> bool | None:
