@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, run_module, start_trainer, train_args
+from conftest import REPO, cli_env, run_module, train_args
 from x1_pretrain import lease as L
 
 HOLDER = """

@@ -236,7 +236,7 @@ def test_in_process_mode_every_server_listens_on_localhost_at_the_env_ports_and_
     own, trainer = watchdog[:watchdog.index("--")], watchdog[watchdog.index("--") + 1:]
     assert own[own.index("--metrics-host") + 1] == "127.0.0.1" and own[own.index("--port") + 1] == "19793"
     assert own[own.index("--mode") + 1] == "process" and "--container" not in own
-    assert f"--mlflow-uri=http://127.0.0.1:15000" in trainer and "--metrics-host=127.0.0.1" in trainer
+    assert "--mlflow-uri=http://127.0.0.1:15000" in trainer and "--metrics-host=127.0.0.1" in trainer
     assert "--metrics-port=19791" in trainer and f"--budget-curr-cost-uri={ws}/budget.json" in trainer
     assert trainer[trainer.index("bash"):trainer.index("bash") + 2] == ["bash", f"{REPO}/trainer/entrypoint.sh"]
 
