@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 from pathlib import Path
@@ -328,3 +329,48 @@ def test_a_finished_run_is_final_and_up_again_does_not_relaunch_it(live):
     wait_for(lambda: "holds a final decision" in live.ws.log("watchdog").read_text(), 60, "the watchdog's refusal")
     time.sleep(3)
     assert [k for k, *_ in live.kinds()].count("start") == starts and stack_mod.trainer_pid(live.ws) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/DEPLOY.md's RunPod section runs as written
+
+DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "DEPLOY.md"
+
+
+def runpod_section() -> str:
+    text = DEPLOY.read_text(encoding="utf-8")
+    return text[text.index("## 8. RunPod"):text.index("## Security notes")]
+
+
+def test_every_stack_command_in_the_runpod_section_is_accepted_by_the_cli():
+    commands = re.findall(r"python -m x1_pretrain\.stack ([a-z]+(?: [^`\n|';]*)?)", runpod_section())
+    assert {c.split()[0] for c in commands} == {"prepare", "up", "status", "down"}, commands
+    parser = stack_mod.build_parser()
+    for command in commands:
+        args = parser.parse_args(command.replace("\\", "").split())
+        assert args.workspace.root == Path("/workspace")
+
+
+def test_the_pod_start_command_waits_for_a_set_up_then_runs_up_from_the_volume(tmp_path):
+    start = re.search(r"```sh\n(bash -c '.*')\n```", runpod_section())[1]
+    volume = tmp_path / "volume"
+    command = start.replace("/workspace", str(volume))
+    # Not set up yet: it waits (the pod stays up for you to set it up), starting nothing.
+    proc = subprocess.Popen(["bash", "-c", command], start_new_session=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(2)
+        assert not volume.exists()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    # Set up: the venv's python, .env beside the code, the tokenized data; it execs `stack up`.
+    (volume / "venv" / "bin").mkdir(parents=True)
+    (volume / "venv" / "bin" / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (volume / "venv" / "bin" / "python").chmod(0o755)
+    (volume / "x1").mkdir()
+    write_env(volume / "x1" / ".env", **tiny_settings(PROVIDER="aws"))  # refused at once: proves the path taken
+    (volume / "data" / "tokenized").mkdir(parents=True)
+    (volume / "data" / "tokenized" / "meta.json").write_text("{}")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, env=cli_env())
+    assert done.returncode == 2 and "PROVIDER='aws' must be lambda, runpod or static" in done.stderr, done.stderr
