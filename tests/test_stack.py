@@ -82,6 +82,7 @@ def test_help_explains_every_command():
     ({"MLFLOW_HOST_PORT": "70000"}, "MLFLOW_HOST_PORT='70000' must be a port number"),
     ({"TERMINATE_ON_FINISH": "yes"}, "TERMINATE_ON_FINISH='yes' must be 0 or 1"),
     ({"X1_CONFIG": "configs/nope.yaml"}, "X1_CONFIG='configs/nope.yaml': no such file"),
+    ({"BUDGET_ALERT_USD": "40"}, "BUDGET_ALERT_USD=40 is above BUDGET_CAP_USD=35"),
 ])
 def test_bad_settings_are_refused_naming_the_variable(tmp_path, tiny_data, capsys, monkeypatch, settings, message):
     monkeypatch.delenv("RUNPOD_API_KEY", raising=False)

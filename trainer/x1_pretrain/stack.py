@@ -496,6 +496,9 @@ def check_settings(s: S.Settings, ws: Workspace) -> None:
         text = s[var]
         if not (text.isdigit() and 1 <= int(text) <= 65535):
             problems.append(f"{var}={text!r} must be a port number in 1..65535")
+    with contextlib.suppress(ValueError):
+        if float(s["BUDGET_ALERT_USD"]) > float(s["BUDGET_CAP_USD"]):
+            problems.append(f"BUDGET_ALERT_USD={s['BUDGET_ALERT_USD']} is above BUDGET_CAP_USD={s['BUDGET_CAP_USD']}")
     if s["TERMINATE_ON_FINISH"] not in ("0", "1"):
         problems.append(f"TERMINATE_ON_FINISH={s['TERMINATE_ON_FINISH']!r} must be 0 or 1")
     if s["TERMINATE_ON_FINISH"] == "1" and s["PROVIDER"] == "static":
@@ -971,6 +974,9 @@ def describe_decision(e: dict[str, Any] | None) -> str:
         return f"trainer exited {e.get('exit_code')} ({how}) at {e.get('time')}"
     if kind == "relaunch":
         return f"relaunch #{e.get('restart')} after {e.get('reason')} (exit {e.get('exit_code')}) at {e.get('time')}"
+    if kind == "terminate":
+        done = "terminated" if e.get("ok") else f"terminate FAILED ({e.get('error')})"
+        return f"{done} the {e.get('provider')} instance {e.get('instance_id')} after {e.get('reason')} at {e.get('time')}"
     return f"{kind}: {e.get('reason') or e.get('detail') or ''} at {e.get('time')}".rstrip()
 
 
