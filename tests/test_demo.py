@@ -1,8 +1,10 @@
 """`make demo` end to end: `python -m x1_pretrain.demo`, the entry point the Makefile runs, on a
 short run (--steps 60) in a temporary workspace.
 
-- the whole stack comes up as processes, the simulated preemption is relaunched by the watchdog,
-  the (fake) instance is terminated, the run is exported and every DoD line passes;
+- the whole stack comes up as processes through `python -m x1_pretrain.stack up -d` from the
+  demo's .env (the path a RunPod pod runs), the simulated preemption is relaunched by the
+  watchdog, the (fake) instance is terminated, the run is exported, every DoD line passes, and
+  `stack down` stops it all;
 - the provider API key made up for the session (read here from the fake billing API's own
   environment) is on no command line, in no file of the workspace and not in the output;
 - Ctrl-C stops every process the demo started, and a busy default port is reported and avoided.
@@ -31,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 RUN_FILES = ("manifest.json", "metrics.csv", "loss-curve.png", "gradnorm-curve.png", "throughput.png",
              "final.safetensors", "mlflow-run-uri.txt", "spike-postmortem.md", "dod.json")
-PORTS_LINE = re.compile(r"ports: mlflow (\d+), trainer (\d+), sidecar (\d+), watchdog (\d+), fake billing (\d+)")
+PORTS_LINE = re.compile(r"ports: mlflow (\d+), trainer (\d+), sidecar (\d+), watchdog (\d+), prometheus (\d+), "
+                        r"fake billing (\d+)")
 
 
 def start_demo(workspace: Path, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -56,7 +59,8 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: s
 
 def ports_of(out: Path) -> dict[str, int] | None:
     m = PORTS_LINE.search(out.read_text(errors="replace"))
-    return dict(zip(("mlflow", "trainer", "sidecar", "watchdog", "fake_billing"), map(int, m.groups()), strict=True)) if m else None
+    return dict(zip(("mlflow", "trainer", "sidecar", "watchdog", "prometheus", "fake_billing"),
+                    map(int, m.groups()), strict=True)) if m else None
 
 
 def processes() -> dict[int, tuple[bytes, bytes]]:
@@ -123,8 +127,12 @@ def test_demo_runs_the_stack_through_a_preemption_and_passes_every_dod_check(tmp
     assert kinds == [("start", None), ("exit", 75), ("relaunch", 75), ("start", None), ("exit", 0),
                      ("terminate", 0)], kinds
     assert ev[1]["reason"] == "preempted" and ev[1]["stop_requested"] is False
-    assert ev[3]["resume"] is True and ev[3]["trainer"].endswith("--resume-from-latest")
+    assert ev[3]["resume"] is True and "--resume-from-latest" in ev[3]["trainer"].split()
     assert "simulated preemption: SIGTERM to trainer pid" in text
+    assert "$ python -m x1_pretrain.stack up -d --env-file" in text and "$ python -m x1_pretrain.stack down" in text
+    assert "final decision: finished (exit 0" in text  # `stack status` after the run
+    assert re.search(r"step \d+/60 loss", (ws / "logs" / "trainer.log").read_text())  # the trainer's own log
+    assert json.loads((ws / "logs" / "stack.json").read_text())["state"] == "stopped"
 
     termination = json.loads((ws / "logs" / "termination.json").read_text())
     assert termination["instance_after"]["status"] == "terminated"
@@ -169,7 +177,7 @@ def test_a_rerun_starts_clean_reports_a_busy_port_and_ctrl_c_stops_every_process
             assert "data: reusing" in out.read_text()
             assert not (ws / "checkpoints" / "step_00000999").exists()
             mine = [pid for pid, (_, environ) in processes().items() if marker.encode() in environ.split(b"\0")]
-            assert len(mine) >= 6  # the demo, fake billing, sidecar, MLflow (+ its worker), watchdog, trainer
+            assert len(mine) >= 6  # the demo, fake billing, the stack runner, sidecar, MLflow, watchdog, trainer
             os.killpg(proc.pid, signal.SIGINT)
             code = proc.wait(timeout=90)
         finally:

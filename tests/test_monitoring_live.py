@@ -1,5 +1,5 @@
-"""Monitoring against the live stack: the process-mode services of `make demo` (fake billing API,
-sidecar, MLflow server, watchdog supervising the tiny trainer), scraped for real.
+"""Monitoring against the live stack: `python -m x1_pretrain.stack up`, as `make demo` runs it
+(fake billing API, sidecar, MLflow server, watchdog supervising the tiny trainer), scraped for real.
 
 - every metric the Grafana dashboard and the Prometheus alert rules query is exported by a
   running service (their /metrics pages, parsed as Prometheus text);
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,18 +31,15 @@ from promql_names import (
     rule_exprs,
 )
 
-from conftest import REPO
+from conftest import REPO, cli_env, run_module
 from x1_common import contracts as C
 from x1_pretrain.stack import (
-    BillingPlan,
+    Ports,
     Service,
-    Stack,
-    TrainerRun,
     Workspace,
     choose_ports,
     free_port,
     http_json,
-    trainer_command,
     wait_until,
 )
 
@@ -67,33 +66,52 @@ def scrape_or_empty(url: str) -> dict[str, float]:
         return {}
 
 
+@dataclass(frozen=True)
+class LiveStack:
+    ws: Workspace
+    ports: Ports
+
+    def env(self) -> dict[str, str]:
+        return cli_env()
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Iterator[Stack]:
-    """The demo's stack on free ports, the trainer logging every 2 steps until the module is done."""
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Iterator[LiveStack]:
+    """The demo's stack (`python -m x1_pretrain.stack up -d` against the fake billing API) on free
+    ports, the trainer logging every 2 steps until the module is done."""
     ws = Workspace(tmp_path_factory.mktemp("live") / "workspace")
-    ws.reset(keep_data=False)
     shutil.copytree(tiny_data, ws.tokenized)
     ports, _ = choose_ports(use_defaults=False)
-    plan = BillingPlan(instance_id="i-live-0001", time_scale=120.0, planned_hours=24.0)
-    s = Stack(ws, ports, api_key="live-test-key-0001")
+    key = "live-test-key-0001"
+    fake = Service("fake-billing", [sys.executable, "-m", "budget_sidecar.fake_billing", "--host", "127.0.0.1",
+                                    "--port", str(ports.fake_billing), "--provider", "lambda", "--instance-id",
+                                    "i-live-0001", "--price-usd-per-hr", "1.10", "--time-scale", "120"],
+                   ws.log("fake-billing"), cli_env(BILLING_API_KEY=key),
+                   url=f"http://127.0.0.1:{ports.fake_billing}", health_path="/_state")
+    env_file = ws.root / "live.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in {
+        "PROVIDER": "lambda", "INSTANCE_ID": "i-live-0001", "PROVIDER_API_URL": fake.url, "PLANNED_HOURS": "24",
+        "BUDGET_POLL_SECONDS": "1", "X1_CONFIG": "configs/tiny-cpu.yaml", "TOTAL_STEPS": "5000",
+        "CKPT_EVERY": "1000", "EVAL_EVERY": "10", "LOG_EVERY": "2", "MLFLOW_WORKERS": "1",
+        "TRAIN_EXTRA_ARGS": "--run-name x1-live --budget-check-every-min 0.25", **ports.env()}.items()))
+    stack_env = cli_env(LAMBDA_API_KEY=key, X1_BUDGET_TIME_SCALE="120", OMP_NUM_THREADS="1")
     try:
-        fake = s.start_fake_billing(plan)
-        mlflow = s.start_mlflow()
-        s.wait_healthy([fake], timeout=60)
-        s.wait_healthy([s.start_sidecar(plan), mlflow], timeout=120)
-        s.wait_budget_file()
-        run = TrainerRun(total_steps=5000, ckpt_every=1000, eval_every=10, log_every=2, run_name="x1-live")
-        s.start_watchdog(plan, trainer_command(ws, ports, plan, run), terminate_on_finish=False, trainer_threads=1)
+        wait_until(fake.healthy, 60, "the fake billing API")
+        # This module runs its own Prometheus, scraping every second.
+        up = run_module("x1_pretrain.stack", "up", "-d", "--no-prometheus", "--env-file", str(env_file),
+                        "--workspace", str(ws.root), env=stack_env, timeout=420)
+        assert up.returncode == 0, up.stdout + up.stderr
         trainer = f"http://127.0.0.1:{ports.trainer}/metrics"
         # Past the first eval: every trainer gauge has been set from a real step.
-        wait_until(lambda: s.services[-1].healthy() and scrape_or_empty(trainer).get(C.M_TRAIN_VAL_LOSS, 0) > 0, 180,
+        wait_until(lambda: scrape_or_empty(trainer).get(C.M_TRAIN_VAL_LOSS, 0) > 0, 180,
                    "the trainer's first eval on /metrics", interval=0.5)
-        yield s
+        yield LiveStack(ws, ports)
     finally:
-        s.stop()
+        run_module("x1_pretrain.stack", "down", "--workspace", str(ws.root), timeout=300)
+        fake.stop()
 
 
-def service_metrics(stack: Stack) -> dict[str, dict[str, float]]:
+def service_metrics(stack: LiveStack) -> dict[str, dict[str, float]]:
     p = stack.ports
     return {job: scrape(f"http://127.0.0.1:{port}/metrics")
             for job, port in (("trainer", p.trainer), ("budget-sidecar", p.sidecar), ("watchdog", p.watchdog))}
@@ -128,7 +146,7 @@ def test_every_metric_the_dashboard_and_alert_rules_query_is_exported_by_a_runni
 
 
 @pytest.fixture(scope="module")
-def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def prometheus(stack: LiveStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus server scraping the stack every second; its base URL."""
     if PROMETHEUS is None:
         pytest.skip("the Prometheus server is not installed (Debian package `prometheus`; .ci/run installs it)")

@@ -4,6 +4,7 @@
 #   NPROC=1 (default)   exec python -m x1_pretrain.train ARGS
 #   NPROC=N             torchrun --standalone --nproc_per_node=N ... x1_pretrain.train ARGS
 #   X1_TRAIN_EXTRA_ARGS appended to ARGS, split on spaces ("--inject-spike-at-step 12000")
+#   X1_PYTHON           the interpreter (default: python on PATH; the process runner gives its own)
 #
 # The trainer's exit code is what the watchdog acts on (75 relaunch, 76/77 budget stop, 0 done,
 # ...). torchrun reports any failed worker as exit 1, so under torchrun each worker runs through
@@ -19,7 +20,7 @@ if [[ "${1:-}" == "--worker" ]]; then
   # and its code is recorded (a trapped signal runs after the foreground child returns).
   trap 'true' TERM INT
   code=0
-  python -m x1_pretrain.train "$@" || code=$?
+  "${X1_PYTHON:-python}" -m x1_pretrain.train "$@" || code=$?
   if [[ -n "${X1_EXIT_DIR:-}" ]]; then
     echo "$code" > "$X1_EXIT_DIR/rank${RANK:-0}"
   fi
@@ -39,7 +40,7 @@ fi
 
 if [[ "$nproc" == 1 ]]; then
   # One process: python replaces this shell and receives docker's SIGTERM directly.
-  exec python -m x1_pretrain.train "$@" "${extra[@]}"
+  exec "${X1_PYTHON:-python}" -m x1_pretrain.train "$@" "${extra[@]}"
 fi
 
 X1_EXIT_DIR="$(mktemp -d -t x1-exit.XXXXXX)"

@@ -3,11 +3,12 @@
     python -m x1_pretrain.demo --workspace demo-workspace [--steps 200] [--fresh]
 
 What `docker compose up` does on the GPU host, on a machine with neither Docker nor a GPU
-(SPEC §2): a small real-text corpus (the standard library's docstrings) is built and tokenized,
-the fake billing API stands in for Lambda's, and the real sidecar, MLflow server and watchdog run
-the tiny trainer through one simulated preemption and one injected loss spike. Then the run is
-exported, its spike post-mortem drafted and the DoD checked. The process-mode stack itself is in
-`x1_pretrain.stack` (the live monitoring test starts the same one).
+(SPEC §2), and through the very commands a RunPod user types: the demo writes a .env (the fake
+billing API standing in for Lambda's, the tiny config) and runs `python -m x1_pretrain.stack
+up -d`, `status` and `down` (x1_pretrain.stack) on it. A small real-text corpus (the standard
+library's docstrings) is built and tokenized first; the real sidecar, MLflow server, watchdog
+(and Prometheus, when installed) run the tiny trainer through one simulated preemption and one
+injected loss spike. Then the run is exported, its spike post-mortem drafted and the DoD checked.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import re
 import secrets
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -28,15 +30,18 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from x1_pretrain.stack import (
+    REPO,
     TINY_CONFIG,
-    BillingPlan,
     Ports,
-    Stack,
+    Service,
     StackError,
-    TrainerRun,
     Workspace,
     choose_ports,
-    trainer_command,
+    read_events,
+    read_json,
+    signals_ignored,
+    trainer_pid,
+    wait_until,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -100,27 +105,29 @@ The X1 stack on this machine, as processes, on CPU: no Docker, no GPU, no cloud 
   1. data: the standard library's docstrings as a FineWeb-Edu-style corpus ({CORPUS_MB:g} MB),
      tokenized with GPT-2 BPE (x1_pretrain.corpus, x1_pretrain.tokenize_data);
   2. services: the fake billing API (Lambda's API shape, an A100 at ${PRICE_USD_PER_HR:.2f}/h, billed
-     time {TIME_SCALE:g}x faster than wall time), the budget sidecar polling it every second,
-     an MLflow server (sqlite), and the watchdog supervising the tiny trainer (configs/tiny-cpu.yaml)
-     with the budget guard on (cap ${CAP_USD:g}, alert ${ALERT_USD:g});
+     time {TIME_SCALE:g}x faster than wall time), then the stack from WORKSPACE/demo.env with
+     `python -m x1_pretrain.stack up -d` (the command a RunPod pod runs): the budget sidecar
+     polling the fake every second, an MLflow server (sqlite), Prometheus when installed, and the
+     watchdog supervising the tiny trainer (configs/tiny-cpu.yaml) with the budget guard on (cap
+     ${CAP_USD:g}, alert ${ALERT_USD:g});
   3. one simulated preemption: SIGTERM to the trainer process mid-run -> emergency checkpoint,
      exit 75 -> the watchdog relaunches it with --resume-from-latest; one injected loss spike.
      (A spot reclaim of the whole instance kills the watchdog too: bringing it back is the job of
      the watchdog's provider mode, off the GPU host, which one machine cannot show.)
   4. at the end the watchdog terminates the (fake) instance, then export_run writes the run folder,
-     postmortem drafts the spike post-mortem, and dod checks SPEC §8's six lines.
+     postmortem drafts the spike post-mortem, dod checks SPEC §8's six lines, and
+     `python -m x1_pretrain.stack down` stops the stack.
 
-Everything goes under WORKSPACE: data/, checkpoints/, mlruns/, logs/ (one log per service,
-the watchdog's events, termination.json), budget.json and run/ (the exported run: manifest,
+Everything goes under WORKSPACE: demo.env, data/, checkpoints/, mlruns/, logs/ (one log per
+service, trainer.log, the watchdog's events, termination.json), budget.json and run/ (the exported run: manifest,
 metrics, plots, final.safetensors, spike-postmortem.md, dod.json). Each run starts from a clean
 workspace: everything in it is deleted first except the tokenized corpus, which is reused when
 complete (--fresh rebuilds it too). A non-empty folder the demo did not make is refused.
 
-Ports: compose's defaults (MLflow 5000, trainer 9791, sidecar 9792, watchdog 9793) where free;
-a busy one is reported and replaced by a free port. The services listen on 127.0.0.1 (the
-trainer's /metrics on every address, as inside its container). The provider API key is made
-up for the session and passed to the services in their environment; it is never printed nor
-written.
+Ports: compose's defaults (MLflow 5000, trainer 9791, sidecar 9792, watchdog 9793, Prometheus
+9090) where free; a busy one is reported and replaced by a free port. Every service listens on
+127.0.0.1. The provider API key is made up for the session and passed to the stack in its
+environment (demo.env leaves it empty); it is never printed nor written.
 
 Ctrl-C stops every process the demo started (the trainer with an emergency checkpoint).
 Exit status: 0 when every DoD check passes; 1 when one fails or the run did not finish; 2 for
@@ -223,42 +230,95 @@ def describe_event(e: dict[str, Any]) -> str | None:
 # The demo's stages
 
 
-def prepare_data(stack: Stack, console: Console) -> None:
-    ws = stack.ws
+class OneShots:
+    """The demo's one-shot commands (corpus, tokenize, export...), each logged to WS/logs/<name>.log;
+    stopped if the demo is interrupted."""
+
+    def __init__(self, ws: Workspace) -> None:
+        self.ws = ws
+        self.current: Service | None = None
+
+    def run(self, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> int:
+        service = Service(name, argv, self.ws.log(name), env or dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.current = service
+        try:
+            code = service.wait(timeout)
+            if code is None:
+                raise StackError(f"{name} did not finish within {timeout:g} s; see {service.log_path}")
+            return code
+        finally:
+            service.stop(5)
+            self.current = None
+
+
+def stack_command(ws: Workspace, *args: str, env: dict[str, str] | None = None,
+                  timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """`python -m x1_pretrain.stack ARGS --workspace WS`, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "x1_pretrain.stack", *args, "--workspace", str(ws.root)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def demo_env(ws: Workspace, ports: Ports, sched: Schedule, instance_id: str) -> Path:
+    """The .env a user would write for this run (no secret in it: the key comes from the environment)."""
+    extra = (f"--inject-spike-at-step {sched.spike_at} --run-name x1-demo "
+             # Wall minutes: with the billing clock sped up, the guard must look more often than the
+             # production 30 min to see anything happen in a demo.
+             f"--budget-check-every-min 0.25 --planned-rate-usd-per-hr {PRICE_USD_PER_HR:g} "
+             f"--planned-hours {PLANNED_HOURS:g}")
+    values = {
+        "PROVIDER": "lambda", "INSTANCE_ID": instance_id, "LAMBDA_API_KEY": "",
+        "PROVIDER_API_URL": f"http://127.0.0.1:{ports.fake_billing}", "PLANNED_HOURS": f"{PLANNED_HOURS:g}",
+        "BUDGET_POLL_SECONDS": "1", "BUDGET_CAP_USD": f"{CAP_USD:g}", "BUDGET_ALERT_USD": f"{ALERT_USD:g}",
+        "X1_CONFIG": str(TINY_CONFIG.relative_to(TINY_CONFIG.parents[1])), "TOTAL_STEPS": str(sched.steps),
+        "CKPT_EVERY": str(sched.ckpt_every), "EVAL_EVERY": str(sched.eval_every), "LOG_EVERY": str(sched.log_every),
+        "TRAIN_EXTRA_ARGS": extra,
+        # A tiny trainer starts in seconds: minutes of grace would only slow a stuck demo down.
+        "STALL_SECONDS": "120", "STARTUP_GRACE_SECONDS": "120", "MAX_RESTARTS": "3",
+        "TERMINATE_ON_FINISH": "1", "MLFLOW_WORKERS": "1", **ports.env(),
+    }
+    path = ws.root / "demo.env"
+    path.write_text("# written by python -m x1_pretrain.demo: the .env of the demo's run\n"
+                    + "".join(f"{k}={v}\n" for k, v in values.items()), encoding="utf-8")
+    return path
+
+
+def prepare_data(ws: Workspace, steps: OneShots, console: Console) -> None:
     if ws.data_ready():
         meta = json.loads((ws.tokenized / "meta.json").read_text(encoding="utf-8"))
         console.say(f"data: reusing {ws.tokenized} ({meta.get('train_tokens', 0):,} train tokens; --fresh rebuilds it)")
         return
     py = sys.executable
     t = time.monotonic()
-    if stack.run_step("corpus", [py, "-m", "x1_pretrain.corpus", "stdlib-docstrings", "--output", str(ws.corpus),
-                                 "--max-mb", f"{CORPUS_MB:g}"], timeout=300) != 0:
+    if steps.run("corpus", [py, "-m", "x1_pretrain.corpus", "stdlib-docstrings", "--output", str(ws.corpus),
+                            "--max-mb", f"{CORPUS_MB:g}"], timeout=300) != 0:
         raise StackError(f"building the corpus failed; see {ws.log('corpus')}")
     console.say(f"data: corpus of stdlib docstrings in {ws.corpus} ({time.monotonic() - t:.1f} s)")
     t = time.monotonic()
-    if stack.run_step("tokenize", [py, "-m", "x1_pretrain.tokenize_data", "--input-dir", str(ws.corpus),
-                                   "--output-dir", str(ws.tokenized), "--tokenizer", "gpt2", "--val-fraction", "0.02",
-                                   "--workers", "2", "--seed", "42"], timeout=300) != 0:
+    if steps.run("tokenize", [py, "-m", "x1_pretrain.tokenize_data", "--input-dir", str(ws.corpus),
+                              "--output-dir", str(ws.tokenized), "--tokenizer", "gpt2", "--val-fraction", "0.02",
+                              "--workers", "2", "--seed", "42"], timeout=300) != 0:
         raise StackError(f"tokenizing failed; see {ws.log('tokenize')}")
     meta = json.loads((ws.tokenized / "meta.json").read_text(encoding="utf-8"))
     console.say(f"data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val GPT-2 tokens in {ws.tokenized} "
                 f"({time.monotonic() - t:.1f} s)")
 
 
-def follow_training(stack: Stack, sched: Schedule, console: Console, timeout_s: float) -> tuple[int, bool]:
-    """Prints progress until the watchdog exits; sends the simulated preemption on the way.
+def stack_running(ws: Workspace) -> bool:
+    from x1_pretrain.lease import probe
 
-    Returns the watchdog's exit code and whether the preemption was followed by a relaunch.
-    """
-    ws = stack.ws
-    watchdog = next(s for s in stack.services if s.name == "watchdog")
-    log = LogFollower(watchdog.log_path)
+    return probe(ws.root).alive
+
+
+def follow_training(ws: Workspace, sched: Schedule, console: Console, timeout_s: float) -> tuple[dict[str, Any], bool]:
+    """Prints progress until the watchdog records its final decision; sends the simulated
+    preemption on the way. Returns that decision and whether the preemption was relaunched."""
+    log = LogFollower(ws.log("trainer"))
     seen_events = 0
     preempted_pid: int | None = None
     relaunched = False
     deadline = time.monotonic() + timeout_s
     while True:
-        done = not watchdog.alive()
+        final = (read_json(ws.state_file) or {}).get("final")
         for line in log.lines():
             if m := STEP_LINE.search(line):
                 step, total, loss, tps = int(m[1]), int(m[2]), m[3], int(m[4])
@@ -266,27 +326,31 @@ def follow_training(stack: Stack, sched: Schedule, console: Console, timeout_s: 
                 money = f"  spent ${spent:6.2f} of ${CAP_USD:g}" if spent is not None else ""
                 console.say(f"step {step:4d}/{total}  loss {loss:>7}  {tps:7,d} tok/s{money}")
                 if preempted_pid is None and step >= sched.preempt_at:
-                    preempted_pid = preempt(stack, console, step)
+                    preempted_pid = preempt(ws, console, step)
             elif m := VAL_LINE.search(line):
                 console.say(f"step {int(m[1]):4d}  val_loss {m[2]}")
             elif NOTABLE.search(line):
                 console.say("  " + line.split(": ", 1)[-1].strip()[:160])
-        events = stack.events()
+        events = read_events(ws)
         for e in events[seen_events:]:
             if text := describe_event(e):
                 console.say(text)
             relaunched |= e.get("event") == "relaunch" and preempted_pid is not None and e.get("exit_code") == 75
         seen_events = len(events)
-        if done:
-            return int(watchdog.proc.returncode), relaunched
+        # The final decision is written before the instance is terminated: wait for that too.
+        terminated = any(e.get("event") == "terminate" for e in events)
+        if final and (terminated or final.get("exit_code") not in (0, 76, 77, 79) or final.get("reason") == "given-up"):
+            return final, relaunched
+        if not stack_running(ws):
+            raise StackError(f"the stack stopped before the run ended; see {ws.log('stack')}")
         if time.monotonic() > deadline:
-            raise StackError(f"training did not finish within {timeout_s / 60:g} min; see {watchdog.log_path}")
+            raise StackError(f"training did not finish within {timeout_s / 60:g} min; see {ws.log('trainer')}")
         time.sleep(0.3)
 
 
-def preempt(stack: Stack, console: Console, step: int) -> int | None:
+def preempt(ws: Workspace, console: Console, step: int) -> int | None:
     """SIGTERM to the trainer process (not the watchdog): what a spot reclaim or `docker stop` sends."""
-    pid = stack.trainer_pid()
+    pid = trainer_pid(ws)
     if pid is None:
         console.say(f"step {step}: no trainer running to preempt")
         return None
@@ -299,42 +363,41 @@ def preempt(stack: Stack, console: Console, step: int) -> int | None:
     return pid
 
 
-def finish_run(stack: Stack, console: Console, band: tuple[float, float]) -> int:
+def finish_run(ws: Workspace, steps: OneShots, mlflow_uri: str, console: Console, band: tuple[float, float]) -> int:
     """export_run, postmortem, dod; returns dod's exit code."""
-    ws = stack.ws
     py = sys.executable
     run_id = None
     run_file = ws.checkpoints / "mlflow-run.json"
     if run_file.is_file():
         run_id = json.loads(run_file.read_text(encoding="utf-8")).get("run_id")
-    export = [py, "-m", "x1_pretrain.export_run", "--mlflow-uri", stack.mlflow_uri, "--output", str(ws.run_dir),
+    export = [py, "-m", "x1_pretrain.export_run", "--mlflow-uri", mlflow_uri, "--output", str(ws.run_dir),
               "--ckpt-dir", str(ws.checkpoints), "--budget-file", str(ws.budget_file),
               "--termination-file", str(ws.termination_file), "--events-file", str(ws.events_file),
               "--band", f"{band[0]:g}", f"{band[1]:g}"]
-    postmortem = [py, "-m", "x1_pretrain.postmortem", "--mlflow-uri", stack.mlflow_uri,
+    postmortem = [py, "-m", "x1_pretrain.postmortem", "--mlflow-uri", mlflow_uri,
                   "--output", str(ws.run_dir / "spike-postmortem.md")]
     if run_id:
         export += ["--run-id", run_id]
         postmortem += ["--run-id", run_id]
     for name, argv in (("export_run", export), ("postmortem", postmortem)):
         t = time.monotonic()
-        code = stack.run_step(name, argv, timeout=300)
+        code = steps.run(name, argv, timeout=300)
         console.say(f"{name}: exit {code} ({time.monotonic() - t:.1f} s)" + (f"; see {ws.log(name)}" if code else ""))
-    code = stack.run_step("dod", [py, "-m", "x1_pretrain.dod", str(ws.run_dir), "--band", f"{band[0]:g}", f"{band[1]:g}",
-                                  "--cap-usd", f"{CAP_USD:g}"], timeout=300)
+    code = steps.run("dod", [py, "-m", "x1_pretrain.dod", str(ws.run_dir), "--band", f"{band[0]:g}", f"{band[1]:g}",
+                             "--cap-usd", f"{CAP_USD:g}"], timeout=300)
     console.section("Definition of done")
     print(ws.log("dod").read_text(encoding="utf-8", errors="replace").rstrip(), flush=True)
     return code
 
 
-def print_artifacts(ws: Workspace, ports: Ports) -> None:
+def print_artifacts(ws: Workspace) -> None:
     print(f"\n== Artifacts (under {ws.root}/)", flush=True)
     if ws.run_dir.is_dir():
         for f in sorted(ws.run_dir.iterdir()):
             print(f"  run/{f.name:28s} {f.stat().st_size:>12,d} bytes")
-    print(f"  logs/       one log per service, watchdog-events.jsonl, termination.json\n"
+    print(f"  logs/       one log per service, trainer.log, stack.log, watchdog-events.jsonl, termination.json\n"
           f"  mlruns/     the MLflow store: mlflow ui --backend-store-uri sqlite:///{ws.mlruns.resolve()}/mlflow.db\n"
-          f"  checkpoints/, budget.json, data/", flush=True)
+          f"  demo.env, checkpoints/, budget.json, data/", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,10 +409,14 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     ws.reset(keep_data=not args.fresh)
     ports, notes = choose_ports(use_defaults=not args.free_ports)
     sched = Schedule.for_steps(args.steps)
-    plan = BillingPlan(instance_id=f"demo-{uuid.uuid4().hex[:12]}", price_usd_per_hr=PRICE_USD_PER_HR,
-                       time_scale=TIME_SCALE, cap_usd=CAP_USD, alert_usd=ALERT_USD, planned_hours=PLANNED_HOURS)
+    instance_id = f"demo-{uuid.uuid4().hex[:12]}"
     # Made up for this session, like a key from the provider's console; only the children see it.
     api_key = "x1demo-" + secrets.token_urlsafe(24)
+    # The stack's environment: the key (.env leaves it empty, the shell's value wins, as for
+    # compose), the sidecar's billing clock at the fake's speed (X1_BUDGET_TIME_SCALE, the
+    # sidecar's own setting), one CPU thread per process.
+    stack_env = dict(os.environ, LAMBDA_API_KEY=api_key, X1_BUDGET_TIME_SCALE=f"{TIME_SCALE:g}",
+                     OMP_NUM_THREADS=str(TRAINER_THREADS), PYTHONUNBUFFERED="1")
 
     console.say(f"workspace {ws.root}")
     for note in notes:
@@ -358,40 +425,59 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     console.say(f"plan: {sched.steps} steps of {TINY_CONFIG.name}; preemption at step {sched.preempt_at}, spike "
                 f"injected at steps {sched.spike_at}-{sched.spike_at + 4}; billing {TIME_SCALE:g}x wall time")
 
-    with Stack(ws, ports, api_key) as stack:
-        console.section("Services and data")
-        fake = stack.start_fake_billing(plan)
-        mlflow = stack.start_mlflow()  # the slowest to start (~10 s): it comes up while the data is built
-        stack.wait_healthy([fake], timeout=60)
-        sidecar = stack.start_sidecar(plan)
-        prepare_data(stack, console)
-        stack.wait_healthy([sidecar, mlflow], timeout=120)
-        reading = stack.wait_budget_file()
-        console.say(f"fake billing API  {stack.fake_billing_url}  (instance {plan.instance_id}, "
-                    f"${plan.price_usd_per_hr:.2f}/h)")
-        console.say(f"budget sidecar    http://127.0.0.1:{ports.sidecar}/budget  -> {ws.budget_file} "
-                    f"(spent ${reading['spent_usd']:.2f}, projected ${reading['projected_total_usd']:.2f})")
-        console.say(f"MLflow server     {stack.mlflow_uri}")
+    steps = OneShots(ws)
+    fake: Service | None = None
+    started = False
+    try:
+        console.section("The cloud, the data, the stack")
+        fake = Service("fake-billing", [
+            sys.executable, "-m", "budget_sidecar.fake_billing", "--host", "127.0.0.1", "--port", str(ports.fake_billing),
+            "--provider", "lambda", "--instance-id", instance_id, "--price-usd-per-hr", f"{PRICE_USD_PER_HR:g}",
+            "--time-scale", f"{TIME_SCALE:g}"],
+            # The key in the environment, never on a command line (`ps` shows those to every user).
+            ws.log("fake-billing"), dict(os.environ, BILLING_API_KEY=api_key, PYTHONUNBUFFERED="1"),
+            url=f"http://127.0.0.1:{ports.fake_billing}", health_path="/_state")
+        prepare_data(ws, steps, console)
+        env_file = demo_env(ws, ports, sched, instance_id)
+        wait_until(fake.healthy, 60, "the fake billing API")
+        console.say(f"fake billing API  {fake.url}  (instance {instance_id}, ${PRICE_USD_PER_HR:.2f}/h)")
+        console.say(f"$ python -m x1_pretrain.stack up -d --env-file {env_file} --workspace {ws.root}")
+        started = True
+        up = stack_command(ws, "up", "-d", "--env-file", str(env_file), env=stack_env)
+        if up.returncode != 0:
+            raise StackError(f"stack up failed (exit {up.returncode}):\n{(up.stdout + up.stderr)[-3000:]}")
+        console.say(up.stdout.rstrip())
+        console.say(f"MLflow server     http://127.0.0.1:{ports.mlflow}; trainer output {ws.log('trainer')}")
 
         console.section("Training under the watchdog")
-        run = TrainerRun(total_steps=sched.steps, ckpt_every=sched.ckpt_every, eval_every=sched.eval_every,
-                         log_every=sched.log_every, inject_spike_at_step=sched.spike_at)
-        stack.start_watchdog(plan, trainer_command(ws, ports, plan, run), trainer_threads=TRAINER_THREADS)
-        console.say(f"watchdog metrics  http://127.0.0.1:{ports.watchdog}/metrics, trainer metrics "
-                    f"http://127.0.0.1:{ports.trainer}/metrics")
         t = time.monotonic()
-        code, relaunched = follow_training(stack, sched, console, args.timeout_min * 60)
-        console.say(f"watchdog exited with {code} after {time.monotonic() - t:.0f} s of training"
+        final, relaunched = follow_training(ws, sched, console, args.timeout_min * 60)
+        code = int(final["exit_code"])
+        console.say(f"the watchdog's final decision: {final.get('reason')} (exit {code}) after "
+                    f"{time.monotonic() - t:.0f} s of training"
                     + ("" if relaunched else "; WARNING: the preemption relaunch was not seen"))
         spent = spent_usd(ws)
         if spent is not None:
             console.say(f"spend: ${spent:.2f} of the ${CAP_USD:g} cap (billed at {TIME_SCALE:g}x)")
+        status = stack_command(ws, "status", timeout=60)
+        console.say("$ python -m x1_pretrain.stack status\n" + status.stdout.rstrip())
 
         console.section("Export, post-mortem, definition of done")
-        dod_code = finish_run(stack, console, tuple(args.band))
-    print_artifacts(ws, ports)
+        dod_code = finish_run(ws, steps, f"http://127.0.0.1:{ports.mlflow}", console, tuple(args.band))
+    finally:
+        # Also after Ctrl-C: the stack down (the trainer first, with its emergency checkpoint), the
+        # one-shot in progress and the fake cloud. A second Ctrl-C must not cut this short.
+        with signals_ignored():
+            if steps.current is not None:
+                steps.current.stop(5)
+            if started:
+                down = stack_command(ws, "down", timeout=300)
+                console.say("$ python -m x1_pretrain.stack down\n" + (down.stdout + down.stderr).rstrip())
+            if fake is not None:
+                fake.stop(5)
+    print_artifacts(ws)
     if code != 0:
-        print(f"\nThe run did not finish (watchdog exit {code}): see {ws.logs}/watchdog.log", flush=True)
+        print(f"\nThe run did not finish (final decision: exit {code}): see {ws.logs}/watchdog.log", flush=True)
         return dod_code or 1
     print("\nAll DoD checks pass." if dod_code == 0 else f"\nDoD: a check failed (dod exit {dod_code}).", flush=True)
     return dod_code

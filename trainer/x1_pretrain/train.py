@@ -38,6 +38,7 @@ from x1_pretrain.accounting import flops_per_token
 from x1_pretrain.checkpoint import Checkpointer, TrainerState, capture_rng, restore_rng
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
 from x1_pretrain.data import split_window
+from x1_pretrain.lease import take_trainer_lease
 from x1_pretrain.model import Transformer, attention_backend, param_groups
 from x1_pretrain.spikes import SpikeDetector, SpikeInjector
 
@@ -736,6 +737,10 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
 
         if (problem := unsupported(d.device)) is not None:
             raise DataOrConfigError(f"train.float8={cfg.train.float8}: {problem}; or --set train.float8=off")
+    # One trainer per checkpoint folder (x1_pretrain.lease), taken before anything is written there.
+    code = D.agree(d, take_trainer_lease(cfg.checkpoint.dir) if d.is_main else 0)
+    if code:
+        return code
     seed_everything(cfg.train.seed)
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

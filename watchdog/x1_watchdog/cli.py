@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after a final decision, stay up (serving /metrics) until SIGTERM/SIGINT, then exit with "
                         "the final code; for a restart-always policy such as compose's unless-stopped")
     g.add_argument("--check-seconds", type=float, default=1.0, help="how often the trainer is looked at (default 1)")
+    g.add_argument("--trainer-log", type=Path,
+                   help="process mode: append the trainer's output to this file (default: the watchdog's own output)")
 
     g = p.add_argument_group("relaunch policy")
     g.add_argument("--max-restarts", type=int, default=10,
@@ -186,6 +188,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: li
         p.error(f"--heartbeat-file is required in {args.mode} mode (stall detection reads it)")
     if args.mode == "docker" and not args.container:
         p.error("--container is required in docker mode")
+    if args.trainer_log is not None and args.mode != "process":
+        p.error(f"--trainer-log is for process mode (in {args.mode} mode the trainer's output is its container's)")
 
     for name, (beside_trainer, off_host) in DEFAULT_FILES.items():
         if getattr(args, name) is None:
@@ -222,7 +226,7 @@ def make_handle(args: argparse.Namespace, command: list[str]) -> TrainerHandle:
         from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
 
         return DockerHandle(args.container, socket_path=args.docker_socket)
-    return ProcessHandle(command)
+    return ProcessHandle(command, log_path=args.trainer_log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ensure_writable_dir(args.state_file, "--state-file")
         ensure_writable_dir(args.events_file, "--events-file")
+        if args.trainer_log is not None:
+            ensure_writable_dir(args.trainer_log, "--trainer-log")
         if args.terminate_on_finish:
             ensure_writable_dir(args.termination_file, "--termination-file")
         state = StateStore(args.state_file, fresh=args.reset_state)

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from x1_common.contracts import end_reason, redact, should_relaunch
@@ -96,11 +97,12 @@ class ProcessHandle:
     trainer only through the watchdog, which forwards them once.
     """
 
-    def __init__(self, command: Sequence[str], resume_flag: str = RESUME_FLAG) -> None:
+    def __init__(self, command: Sequence[str], resume_flag: str = RESUME_FLAG, log_path: Path | None = None) -> None:
         if not command:
             raise ValueError("empty trainer command")
         self.command = list(command)
         self.resume_flag = resume_flag
+        self.log_path = log_path  # the trainer's stdout and stderr, appended; None: the watchdog's own
         self.label = redact(" ".join(self.command))  # what events and logs show; updated at each start
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
@@ -123,10 +125,17 @@ class ProcessHandle:
         argv = self.argv(resume)
         self._started_at = time.time()
         try:
+            out = open(self.log_path, "ab") if self.log_path is not None else None  # noqa: SIM115 - the child keeps it
+        except OSError as e:
+            raise StartError(f"cannot open the trainer's log {self.log_path}: {e.strerror}") from e
+        try:
             # start_new_session: own session and process group (pgid == pid), no controlling tty.
-            self._proc = subprocess.Popen(argv, start_new_session=True)
+            self._proc = subprocess.Popen(argv, start_new_session=True, stdout=out, stderr=out)
         except OSError as e:
             raise StartError(f"cannot start the trainer command {argv[0]!r}: {e}") from e
+        finally:
+            if out is not None:
+                out.close()
         self.label = redact(" ".join(argv))
         log.info("started trainer pid %d: %s", self._proc.pid, self.label)
 
