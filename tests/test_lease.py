@@ -305,7 +305,8 @@ def test_a_second_trainer_is_refused_and_a_sigkilled_one_relaunched_at_once_take
         assert [e["event"] for e in events(events_file)] == ["start"]  # the first one runs on, unaware
 
         # SIGKILL: no emergency checkpoint, no release. The watchdog relaunches at once.
-        step_before = heartbeat_step(heartbeat)
+        # The heartbeat names a step only while training (not mid-checkpoint or eval).
+        step_before = wait_for(lambda: heartbeat_step(heartbeat), 60, "a training heartbeat")
         os.kill(first, signal.SIGKILL)
         starts = wait_for(lambda: [e for e in events(events_file) if e["event"] == "start"][1:], 60, "the relaunch")
         relaunched = starts[0]["pid"]
