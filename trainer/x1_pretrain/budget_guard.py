@@ -231,6 +231,7 @@ class Projection:
     hours_needed: float | None  # billed hours still needed, margin not included
     margin: float
     need: Need | None
+    no_own: str = ""  # why there is no own projection, when there is none
 
     @property
     def judged_usd(self) -> float:
@@ -240,7 +241,7 @@ class Projection:
         """The projection's inputs and result, in one line."""
         head = f"spent {usd(self.spent_usd)} at {usd(self.rate_usd_per_hr)}/h"
         if self.need is None or self.own_usd is None or self.hours_needed is None:
-            own = "own projection: no pace yet (no plan throughput for this machine: the first steady interval decides)"
+            own = f"own projection: {self.no_own or 'none'}"
         else:
             own = (f"still needed: {self.need.describe()} = {self.hours_needed:.3g} h billed, "
                    f"+{self.margin:.0%} -> own {usd(self.own_usd)}")
@@ -377,8 +378,10 @@ class BudgetGuard:
         if need is not None:
             hours = need.seconds * self._time_scale / 3600.0  # wall seconds -> billed hours (x1 outside tests)
             own = spent + reading.rate_usd_per_hr * hours * (1.0 + self.cfg.margin)
+        no_own = ("" if need is not None else "no pace given" if self.pace is None else
+                  "no pace yet (no plan throughput for this machine: the first steady interval decides)")
         return Projection(spent_usd=spent, rate_usd_per_hr=reading.rate_usd_per_hr, sidecar_usd=sidecar,
-                          own_usd=own, hours_needed=hours, margin=self.cfg.margin, need=need)
+                          own_usd=own, hours_needed=hours, margin=self.cfg.margin, need=need, no_own=no_own)
 
     def _steps_that_fit(self, p: Projection) -> str:
         """', --total-steps N fits' for a refusal or a stop, where the pace says what N is."""
@@ -611,6 +614,7 @@ class _Step:
     reading: dict[str, Any] | None  # spent, rate, projected, age_min, stale; None: the source fails
     expect: tuple[Action, int | None, tuple[str, ...]]
     new_guard: bool = False
+    pace: str | None = None  # "plan": the seed's 84,000 steps at plan's A100 figure; "measured": too slow a measure
 
 
 def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
@@ -632,6 +636,8 @@ def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
     yield _Step("start: price over the max price", "prelaunch", r(low, low, rate_=maxp + 0.5), (R, 78, ()), new_guard=True)
     yield _Step("start: projection over the cap", "prelaunch", r(low, cap + 5), (R, 78, ()), new_guard=True)
     yield _Step("start: spent already over the cap", "prelaunch", r(cap + 1), (N, 77, ()), new_guard=True)
+    yield _Step("start: at the plan's throughput the steps cannot finish under the cap (the sidecar's projection "
+                "has no planned hours)", "prelaunch", r(low), (R, 78, ()), new_guard=True, pace="plan")
     yield _Step("start: a good first reading", "prelaunch", r(low, alert - 1), (C, None, ()), new_guard=True)
     yield _Step("run: under every line", "check", r(alert - 2, alert - 1), (C, None, ()))
     yield _Step("run: spent crosses the alert line", "check", r(alert + 0.5, alert + 1), (C, None, ("alert-line",)))
@@ -645,6 +651,8 @@ def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
                 (C, None, ("stale",)))
     yield _Step("run: the source is unreadable (the last reading, extrapolated)", "check", None, (C, None, ()))
     yield _Step("run: projected total over the cap", "check", r(alert + 1.5, cap + 2), (X, 76, ()))
+    yield _Step("run: the trainer's own projection over the cap (measured pace too slow for the steps left; the "
+                "sidecar's under)", "check", r(low), (X, 76, ()), new_guard=True, pace="measured")
     gap_h = 1.0
     old_spent = cap - rate * gap_h / 2
     yield _Step(f"run: an old stale reading, extrapolated {gap_h:g} h at its rate, passes the cap", "check",
@@ -677,6 +685,17 @@ def dry_run(cfg: BudgetConfig, out: Callable[[str], None] = print) -> int:
     def sleep(s: float) -> None:
         t[0] += s
 
+    def pace(kind: str | None) -> Pace | None:
+        """The seed's run (84,000 steps of 512K tokens) at plan's A100 estimate, or measured slower."""
+        if kind is None:
+            return None
+        p = Pace(total_steps=84_000, tokens_per_step=524_288, eval_every=1800, ckpt_every=1800, eval_tokens=131_072,
+                 start_step=0 if kind == "plan" else 40_000, expected_tokens_per_sec=254_000.0,
+                 expected_source="plan's A100 80GB estimate (simulated)", clock=lambda: t[0])
+        if kind == "measured":  # one steady interval of 10 steps at 200k tokens/s
+            p.record(Interval(steps=10, seconds=10 * 524_288 / 200_000.0, tokens=10 * 524_288), 40_000)
+        return p
+
     # The plan is judged once on its own; the other steps leave it out so that each reaches its rule.
     run_cfg = cfg.model_copy(update={"planned_hours": None})
     guard: BudgetGuard | None = None
@@ -694,8 +713,9 @@ def dry_run(cfg: BudgetConfig, out: Callable[[str], None] = print) -> int:
             d = Decision(Action.CONTINUE if ok else Action.REFUSE_LAUNCH, None if ok else int(ExitCode.LAUNCH_REFUSED),
                          sentence, None, None)
         elif step.call == "prelaunch":
-            d = guard.prelaunch()
+            d = guard.prelaunch(pace(step.pace))
         else:
+            guard.pace = pace(step.pace) if step.pace else guard.pace
             d = guard.check()
         if step.call == "plan":
             seen = f"the plan: {usd(cfg.planned_rate_usd_per_hr or 0)}/h for {cfg.planned_hours:g} h"
