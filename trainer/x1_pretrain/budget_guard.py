@@ -385,10 +385,11 @@ class BudgetGuard:
 
     def _steps_that_fit(self, p: Projection) -> str:
         """', --total-steps N fits' for a refusal or a stop, where the pace says what N is."""
-        if p.need is None or p.rate_usd_per_hr <= 0 or self.pace is None:
+        if p.need is None or p.rate_usd_per_hr <= 0 or self.pace is None or p.need.steps_left <= 0:
             return ""
         done = self.pace.total_steps - p.need.steps_left
-        billed_s_per_step = p.need.seconds_per_step * self._time_scale
+        # Per step left, its share of the evals, checkpoints and restarts too: they scale with the steps.
+        billed_s_per_step = p.need.seconds / p.need.steps_left * self._time_scale
         left = steps_that_fit(self.cap - p.spent_usd, p.rate_usd_per_hr, billed_s_per_step, self.cfg.margin)
         fits = done + left
         if fits >= 1000:  # a round figure leaves a little slack for the minutes a relaunch bills
