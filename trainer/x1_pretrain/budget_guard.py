@@ -72,6 +72,7 @@ class Decision:
     projected_usd: float | None
     alerts: tuple[str, ...] = ()  # alert kinds raised during this check: "alert-line", "rate", "stale"
     projection: Projection | None = None  # the projection judged, with its inputs (None before any reading)
+    checked: bool = True  # False between checks (not due) and with the guard off: nothing new to log
 
 
 class ReadError(Exception):
@@ -477,9 +478,10 @@ class BudgetGuard:
         first_pace = self.pace is not None and self.pace.measured and not self._judged_measured
         if not first_pace and self._last_check is not None and now - self._last_check < self.cfg.check_every_min * 60.0:
             if self.last_reading is None:
-                return Decision(Action.CONTINUE, None, "budget check not due", None, None)
+                return Decision(Action.CONTINUE, None, "budget check not due", None, None, checked=False)
             p = self._project(self.last_reading, now)
-            return Decision(Action.CONTINUE, None, "budget check not due", p.spent_usd, p.judged_usd, projection=p)
+            return Decision(Action.CONTINUE, None, "budget check not due", p.spent_usd, p.judged_usd, projection=p,
+                            checked=False)
         return self.check(step)
 
     def check(self, step: int | None = None) -> Decision:
@@ -574,7 +576,7 @@ class NullGuard:
     enabled = False
     last_reading: BudgetReading | None = None
 
-    _OFF = Decision(Action.CONTINUE, None, "budget guard off (no --budget-cap-usd)", None, None)
+    _OFF = Decision(Action.CONTINUE, None, "budget guard off (no --budget-cap-usd)", None, None, checked=False)
 
     def prelaunch(self, pace: Pace | None = None) -> Decision:
         return self._OFF

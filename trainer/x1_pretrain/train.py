@@ -35,7 +35,7 @@ from x1_common.logs import setup_logging
 from x1_pretrain import distributed as D
 from x1_pretrain import preflight
 from x1_pretrain.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
-from x1_pretrain.budget_guard import Interval, Pace
+from x1_pretrain.budget_guard import Interval, Pace, Projection
 from x1_pretrain.checkpoint import Checkpointer, TrainerState, capture_rng, restore_rng
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
 from x1_pretrain.model import Transformer, attention_backend, param_groups
@@ -248,6 +248,8 @@ def train_loop(run: Run) -> int:
         # 8. budget: spent, and what the steps left need at the run's measured pace (rank 0 reads
         # and logs its decision; it reaches every rank through `agree`)
         budget = run.guard.maybe_check(step)
+        if budget.checked:
+            log_budget(run, step, budget.projection)
 
         # 9. stop?
         code = D.agree(run.dist, run.stop.code, budget.exit_code or 0)
@@ -320,19 +322,8 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
         metrics["mfu_measured_peak"] = tps_per_gpu * run.flops_per_token / (run.measured_peak_tflops * 1e12)
         mfu_text += f", {metrics['mfu_measured_peak']:.3f} of measured {run.measured_peak_tflops:g}"
         p.mfu.labels(peak="measured", peak_tflops=f"{run.measured_peak_tflops:g}").set(metrics["mfu_measured_peak"])
-    projection = run.guard.projection(step)
-    if projection is not None:
-        own, hours = projection.own_usd, projection.hours_needed
-        metrics.update(spent_usd=projection.spent_usd, projected_usd=projection.judged_usd,
-                       projected_sidecar_usd=projection.sidecar_usd)
-        if own is not None and hours is not None:
-            metrics.update(projected_own_usd=own, hours_needed=hours)
-        p.spent.set(projection.spent_usd)
-        p.projected.set(projection.judged_usd)
-        p.projected_sidecar.set(projection.sidecar_usd)
-        p.projected_own.set(math.nan if own is None else own)  # NaN: no pace yet, a gap in Grafana
-        p.hours_needed.set(math.nan if hours is None else hours)
     run.sink.log(step, metrics)
+    log_budget(run, step, run.guard.projection(step))
     p.step.set(step)
     p.tokens.inc(tokens)
     p.tps.set(tps)
@@ -344,6 +335,25 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
     log.info("step %d/%d loss %.4f lr %.2e grad %.3f tok/s %.0f%s %s", step, run.cfg.train.total_steps,
              metrics["loss"], lr, grad_norm, tps, steady, mfu_text)
     warn_if_slow(run, step, interval)
+
+
+def log_budget(run: Run, step: int, projection: Projection | None) -> None:
+    """Spend and the projection the guard judges (its own, the sidecar's, the larger), to MLflow and
+    /metrics: at every budget check and every log step."""
+    if projection is None:  # guard off, or no reading yet
+        return
+    own, hours = projection.own_usd, projection.hours_needed
+    metrics = {"spent_usd": projection.spent_usd, "projected_usd": projection.judged_usd,
+               "projected_sidecar_usd": projection.sidecar_usd}
+    if own is not None and hours is not None:
+        metrics.update(projected_own_usd=own, hours_needed=hours)
+    run.sink.log(step, metrics)
+    p = run.sink.prom
+    p.spent.set(projection.spent_usd)
+    p.projected.set(projection.judged_usd)
+    p.projected_sidecar.set(projection.sidecar_usd)
+    p.projected_own.set(math.nan if own is None else own)  # NaN: no pace yet, a gap in Grafana
+    p.hours_needed.set(math.nan if hours is None else hours)
 
 
 def total_norm(params) -> float:
