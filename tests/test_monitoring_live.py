@@ -74,7 +74,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Iterator
     ws.reset(keep_data=False)
     shutil.copytree(tiny_data, ws.tokenized)
     ports, _ = choose_ports(use_defaults=False)
-    plan = BillingPlan(instance_id="i-live-0001", time_scale=120.0, planned_hours=24.0)
+    # Billed in real time: 5000 steps at the demo's 120x would not fit the cap, and the trainer's own
+    # projection would stop the run (76) at its first steady interval. Spend still rises ($1.10/h).
+    plan = BillingPlan(instance_id="i-live-0001", time_scale=1.0, planned_hours=24.0)
     s = Stack(ws, ports, api_key="live-test-key-0001")
     try:
         fake = s.start_fake_billing(plan)
