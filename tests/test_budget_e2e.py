@@ -6,9 +6,15 @@ writes nothing, a stale file extrapolated past the cap stops the run, and crossi
 sends exactly one webhook POST and one email (to a local receiver and a local SMTP server).
 
 Then the whole chain — fake billing API (time-scaled) → sidecar → budget.json or /budget → the
-trainer's guard — at a normal price, a tripled price, an API outage and a sidecar restart. Every
-file those runs leave (logs, budget.json, the sidecar's ledger, checkpoints, the MLflow store) is
-searched for the provider API key.
+trainer's guard — at a normal price, a tripled price, an API outage and a sidecar restart; and
+the trainer's own projection (the sidecar started as the default .env starts it, with no planned
+hours, so that its projection is the spend alone): the default TOTAL_STEPS refused at launch with
+the steps that fit, a run measured too slow stopped with a checkpoint, a run planned by `plan`
+finishing. Every file those runs leave (logs, budget.json, the sidecar's ledger, checkpoints, the
+MLflow store) is searched for the provider API key.
+
+Last, the throughput floor in a running trainer: no warning from the first interval after a start
+or a resume, nor from one holding an eval or a checkpoint; a warning from the first steady one.
 
 Real processes, sockets and files throughout; the fake billing API is the only stand-in.
 """
@@ -29,7 +35,7 @@ import pytest
 from aiosmtpd.controller import Controller
 
 from budget_sidecar.testing import FakeBilling, ManagedProcess, ProcessExited, Sidecar, wait_until
-from conftest import TINY_CONFIG, cli_env, free_port, start_trainer, train_args
+from conftest import CONFIGS, REPO, TINY_CONFIG, cli_env, free_port, run_module, start_trainer, train_args
 from receivers import Inbox, WebhookReceiver
 from x1_common.contracts import Heartbeat
 
@@ -327,6 +333,16 @@ def budget_when(sidecar: Sidecar, predicate: Callable[[dict[str, Any]], bool], w
     return wait_until(lambda: (lambda b: b if predicate(b) else None)(sidecar.budget()), timeout, 0.1, what)
 
 
+def budget_lines(t: Trainer, words: str) -> list[str]:
+    """The guard's log lines (one per budget check) that contain `words`."""
+    return [line for line in t.text().splitlines() if "x1.budget_guard" in line and words in line]
+
+
+def own_usd(line: str) -> float:
+    """The trainer's own projection in a budget line ("... -> own $29.71; ...")."""
+    return float(line.split("-> own $")[1].split(";")[0])
+
+
 def test_at_the_normal_price_the_run_finishes_under_the_cap(tmp_path, tiny_data, billing, started) -> None:
     fake, sidecar = billing()
     args = guarded_args(tiny_data, tmp_path, sidecar.output, "--planned-rate-usd-per-hr", "1.10",
@@ -347,10 +363,18 @@ def test_at_the_normal_price_the_run_finishes_under_the_cap(tmp_path, tiny_data,
     assert_key_nowhere(tmp_path)
 
 
+TRIPLED_STEPS = 400
+# A throughput at which the 400 steps need 12 billed hours at SCALE: $14.50 of the $35 at $1.10/h with
+# the 10% margin, $43.60 at $3.30/h. The run logs only every 100 steps, so the price triples before it
+# has measured its own pace: the projection that stops it is the plan's, whatever this CPU's speed.
+TRIPLED_TOKENS_PER_SEC = TRIPLED_STEPS * 512 * SCALE / (12 * 3600)
+
+
 @pytest.fixture(scope="module")
 def tripled_price_run(tmp_path_factory, tiny_data) -> Iterator[dict[str, Any]]:
-    """One run, shared by the two tests below: planned at $1.10/h (sidecar: 24 h planned), the
-    provider's price tripled once training is under way. Alerts go to a local webhook."""
+    """One run, shared by the two tests below: planned at $1.10/h, the sidecar with no planned hours
+    (the default .env: its projection is the spend so far), the provider's price tripled once
+    training is under way. Alerts go to a local webhook."""
     root = tmp_path_factory.mktemp("tripled")
     webhook = WebhookReceiver(path="/services/T0/B0/e2e-hook")
     procs: list[Any] = []
@@ -360,34 +384,42 @@ def tripled_price_run(tmp_path_factory, tiny_data) -> Iterator[dict[str, Any]]:
         procs.append(fake)
         sidecar = Sidecar.start(root / "logs", root / "ws" / "budget.json", provider="lambda", instance_id="inst-1",
                                 api_url=fake.url, poll_seconds=1.0, env={"LAMBDA_API_KEY": KEY},
-                                extra_args=["--time-scale", str(SCALE), "--http-timeout", "0.5",
-                                            "--planned-hours", "24"])
+                                extra_args=["--time-scale", str(SCALE), "--http-timeout", "0.5"])
         procs.append(sidecar)
         wait_until(lambda: sidecar.output.is_file(), 60, 0.1, "the first budget.json")
         args = guarded_args(tiny_data, root, sidecar.output, "--planned-rate-usd-per-hr", "1.10", "--ckpt-every",
-                            "1000")
+                            "1000", "--log-every", "100", "--expected-tokens-per-sec", f"{TRIPLED_TOKENS_PER_SEC:.1f}",
+                            total=TRIPLED_STEPS)
         t = Trainer(args, root, env=trainer_env(SLACK_WEBHOOK_URL=webhook.url))
         procs.append(t)
-        reached = t.wait_for_step(2)
+        reached = t.wait_for_step(0)  # training (the heartbeat moves only every 100 steps here)
+        accepted = budget_lines(t, "launch accepted")[0]
         fake.control(price_usd_per_hr=3.30)
         code = t.wait()
         yield {"trainer": t, "code": code, "reached": reached, "webhook": webhook, "root": root,
-               "budget": sidecar.budget()}
+               "budget": sidecar.budget(), "accepted": accepted}
     finally:
         for p in reversed(procs):
             p.stop()
         webhook.close()
 
 
-def test_a_tripled_price_stops_the_run_with_76_and_a_checkpoint(tripled_price_run) -> None:
+def test_a_tripled_price_moves_the_trainers_projection_and_stops_with_76_and_a_checkpoint(tripled_price_run) -> None:
     run = tripled_price_run
     t: Trainer = run["trainer"]
     assert run["code"] == 76, t.text()[-3000:]
-    assert run["budget"]["rate_usd_per_hr"] == pytest.approx(3.30)
-    assert run["budget"]["projected_total_usd"] > CAP > run["budget"]["spent_usd"]
+    budget = run["budget"]
+    assert budget["rate_usd_per_hr"] == pytest.approx(3.30)
+    # The sidecar has no planned hours: its projection is the spend, under the cap; the trainer's own stopped it.
+    assert budget["projection"] == "spent only: no planned hours"
+    assert budget["projected_total_usd"] == pytest.approx(budget["spent_usd"]) and budget["spent_usd"] < CAP
+    before, stop = own_usd(run["accepted"]), own_usd(budget_lines(t, "is over the cap")[0])
+    assert before < CAP < stop
+    stop_line = budget_lines(t, "is over the cap")[0]
+    assert "at $3.30/h" in stop_line and "(plan: " in stop_line
     path, state = verified_latest(t.ckpt)
     assert state["step"] > run["reached"].step
-    assert "is over the cap $35" in t.text() and f"budget-stop at step {state['step']}" in t.text()
+    assert f"budget-stop at step {state['step']}" in t.text()
     assert_key_nowhere(run["root"])
 
 
@@ -404,7 +436,11 @@ def test_with_the_api_down_the_reading_goes_stale_spend_keeps_rising_and_the_gua
     # nothing), the price goes to $1.10/h, then the API fails: at 720x, $0.22 per wall second.
     cap = 4.0
     fake, sidecar = billing(price=0.05, scale=720.0, cap=cap, alert=3.0, planned_hours=None)
-    args = guarded_args(tiny_data, tmp_path, sidecar.output, "--planned-rate-usd-per-hr", "1.10")
+    # An eval at every step: no log interval is steady, so the trainer never measures its own pace and
+    # the guard judges the sidecar's figures alone (as before a first steady interval on a CPU). With its
+    # pace, the trainer would stop this run (76) as soon as the price rose: the steps cannot fit $4.
+    args = guarded_args(tiny_data, tmp_path, sidecar.output, "--planned-rate-usd-per-hr", "1.10",
+                        "--eval-every", "1")
     args[args.index("--budget-cap-usd") + 1] = str(cap)
     t = started(Trainer(args + ["--budget-alert-usd", "3"], tmp_path, env=trainer_env()))
     t.wait_for_step(1)
@@ -424,6 +460,7 @@ def test_with_the_api_down_the_reading_goes_stale_spend_keeps_rising_and_the_gua
 
     assert t.wait() == 77, t.text()[-3000:]
     assert fake.state()["fail_mode"] == "500"  # the API never came back
+    assert "own projection: no pace yet" in t.text()
     log = t.text()
     assert "ALERT [stale]" in log and "marked stale by the sidecar" in log
     assert f"is over the cap ${cap:.0f}: exiting now without a checkpoint" in log
@@ -457,3 +494,149 @@ def test_a_sidecar_restarted_mid_run_never_shows_less_spend(tmp_path, tiny_data,
     assert spent[-1] > before["spent_usd"]
     assert restarted.budget()["spent_usd"] >= after["spent_usd"]
     assert_key_nowhere(tmp_path)
+
+
+# =====================================================================================================
+# The trainer's own projection: the sidecar as the default .env starts it (no planned hours)
+
+
+def env_example_value(name: str) -> str:
+    for line in (REPO / ".env.example").read_text(encoding="utf-8").splitlines():
+        if line.startswith(f"{name}="):
+            return line.split("=", 1)[1].strip()
+    raise AssertionError(f".env.example has no {name}")
+
+
+def a100_args(data: Path, root: Path, uri: Path, total: int, ckpt: str = "ckpt") -> list[str]:
+    """The seed's 50M config as compose runs it, on this CPU: refused or accepted before the model is built."""
+    from x1_pretrain.accounting import tokens_per_sec_table
+
+    args = guarded_args(data, root, uri, "--set", "train.device=cpu", "--set", "train.compile=false",
+                        # plan's figure for an A100 80GB, stated: a CPU has none of its own
+                        "--expected-tokens-per-sec", str(tokens_per_sec_table()["a100-80gb"].tokens_per_sec),
+                        "--ckpt-every", env_example_value("CKPT_EVERY"), "--eval-every", env_example_value("EVAL_EVERY"),
+                        total=total)
+    args[args.index("--config") + 1] = str(CONFIGS / "x1-50m-a100.yaml")
+    args[args.index("--ckpt-dir") + 1] = str(root / ckpt)
+    return args
+
+
+def test_the_default_env_total_steps_on_an_a100_priced_instance_are_refused_at_launch_naming_the_steps_that_fit(
+        tmp_path, tiny_data, billing, started) -> None:
+    # Lambda's A100 price, billed in real time (the A100's steps are real seconds); .env's empty PLANNED_HOURS
+    fake, sidecar = billing(price=1.10, scale=1.0, planned_hours=None)
+    assert env_example_value("PLANNED_HOURS") == ""
+    assert "no --planned-hours" in sidecar.log_text() and "no remaining-time term" in sidecar.log_text()
+    total = int(env_example_value("TOTAL_STEPS"))
+    assert total == 84_000
+
+    t = started(Trainer(a100_args(tiny_data, tmp_path, sidecar.output, total), tmp_path, env=trainer_env()))
+    assert t.wait() == 78, t.text()[-3000:]
+    refusal = budget_lines(t, "launch refused")[0]
+    assert "(plan: 254k tokens/s" in refusal and own_usd(refusal) > 50  # ~48 h at $1.10/h
+    fits = int(refusal.split("--total-steps ")[1].split()[0])
+    assert 40_000 < fits < total
+    assert not list(t.ckpt.glob("step_*")) and not (t.ckpt / "final.safetensors").exists()
+
+    # The steps it names are accepted (killed once accepted: a 50M model would train for days on a CPU).
+    again = started(Trainer(a100_args(tiny_data, tmp_path, sidecar.output, fits, ckpt="ckpt2"), tmp_path,
+                            env=trainer_env()))
+    wait_until(lambda: budget_lines(again, "launch accepted") or again.proc.poll() is not None, RUN_TIMEOUT, 0.1,
+               "the relaunch's decision")
+    if again.proc.poll() is None:
+        os.killpg(again.pid, signal.SIGKILL)
+    again.proc.wait(30)
+    accepted = budget_lines(again, "launch accepted")
+    assert accepted and own_usd(accepted[0]) <= CAP, again.text()[-3000:]
+    for path in tmp_path.rglob("*"):  # no MLflow run yet (the launch comes first): the logs and budget files
+        assert not path.is_file() or KEY.encode() not in path.read_bytes(), f"the API key is in {path}"
+
+
+def test_a_run_measured_too_slow_for_the_cap_stops_with_76_and_a_complete_checkpoint_before_the_cap(
+        tmp_path, tiny_data, billing, started) -> None:
+    fake, sidecar = billing(planned_hours=None)
+    # The plan's throughput given is far beyond this CPU's: the launch fits, the first measure does not.
+    args = guarded_args(tiny_data, tmp_path, sidecar.output, "--expected-tokens-per-sec", "1e7", total=100_000)
+    t = started(Trainer(args, tmp_path, env=trainer_env()))
+    assert t.wait() == 76, t.text()[-3000:]
+
+    accepted = budget_lines(t, "launch accepted")[0]
+    assert "(plan: 10.0M tokens/s" in accepted and own_usd(accepted) < CAP
+    stop = budget_lines(t, "is over the cap")[0]
+    assert "(measured: the first steady interval)" in stop and "--total-steps" in stop
+    spent_at_stop = float(stop.split("spent $")[1].split(")")[0])
+    assert spent_at_stop < CAP  # stopped on the projection, long before the spend gets there
+    path, state = verified_latest(t.ckpt)
+    assert [p.name for p in t.ckpt.glob("step_*")] == [path.name] and state["step"] < 10  # the stop's checkpoint
+    assert f"budget-stop at step {state['step']}" in t.text()
+    assert sidecar.budget()["spent_usd"] < CAP
+
+
+def test_a_run_planned_by_plan_finishes_with_no_budget_stop_and_no_floor_warning(
+        tmp_path, tiny_data, billing, started) -> None:
+    fake, sidecar = billing(planned_hours=None)
+    # This CPU stands in for the GPU: plan is told a throughput well under what it does, in tokens per
+    # billed second (the fake bills SCALE seconds per wall second), and the trainer the same per wall second.
+    wall_tokens_per_sec = 30.0
+    proc = run_module("x1_pretrain.plan", "--config", str(TINY_CONFIG), "--price-usd-per-hr", "1.10",
+                      "--budget-usd", str(CAP), "--tokens-per-sec", str(wall_tokens_per_sec / SCALE), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = json.loads(proc.stdout)["proposed_total_steps"]
+    assert 8 <= steps <= 30, steps
+    args = guarded_args(tiny_data, tmp_path, sidecar.output, "--log-every", "2", "--expected-tokens-per-sec",
+                        str(wall_tokens_per_sec), total=steps)
+    t = started(Trainer(args, tmp_path, env=trainer_env()))
+    assert t.wait() == 0, t.text()[-3000:]
+
+    log = t.text()
+    assert (t.ckpt / "final.safetensors").is_file()
+    assert "throughput floor: 18 tokens/s (0.6 x the expected 30 tokens/s)" in log
+    assert "under the floor" not in log and "budget-stop" not in log and "over the cap" not in log
+    measured = budget_lines(t, "(measured: ")
+    assert measured and all(own_usd(line) < CAP for line in measured)
+    assert sidecar.budget()["spent_usd"] < CAP
+    client, run_id = mlflow_run(t.ckpt, t.mlflow_uri)
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["projected_usd"] >= metrics["projected_own_usd"] > 0 and metrics["projected_sidecar_usd"] > 0
+    assert metrics["hours_needed"] >= 0
+
+
+# =====================================================================================================
+# The throughput floor in a running trainer
+
+
+def floor_args(data: Path, root: Path, *extra: str) -> list[str]:
+    """The tiny run with a floor no CPU reaches: every steady interval is under it, so which interval
+    warns shows which intervals are judged."""
+    return train_args(data, root / "ckpt", f"file://{root}/mlruns", "--log-every", "2",
+                      "--set", "train.min_tokens_per_sec=1e9", *extra, total=100)
+
+
+def floor_warnings(t: Trainer) -> list[str]:
+    return [line for line in t.text().splitlines() if "under the floor" in line]
+
+
+def step_line(t: Trainer, step: int) -> str:
+    return next(line for line in t.text().splitlines() if f" step {step}/100 " in line)
+
+
+def test_the_floor_judges_the_first_steady_interval_not_a_start_a_resume_an_eval_or_a_checkpoint(
+        tmp_path, tiny_data, started) -> None:
+    # First process: (0, 2] holds the start, (2, 4] the eval at step 3, (4, 6] is steady.
+    t = started(Trainer(floor_args(tiny_data, tmp_path, "--eval-every", "3", "--ckpt-every", "1000"), tmp_path))
+    wait_until(lambda: floor_warnings(t) or t.proc.poll() is not None, RUN_TIMEOUT, 0.1, "a floor warning")
+    t.stop()
+    assert t.proc.returncode == 75, t.text()[-3000:]
+    assert "(not steady: start)" in step_line(t, 2) and "(not steady: eval)" in step_line(t, 4)
+    assert [w.split("x1.train: ")[1].split(":")[0] for w in floor_warnings(t)] == ["step 6"]
+
+    # Second process, resumed at the emergency checkpoint's step s: the first interval holds the resume,
+    # the next one a checkpoint (every first + 1 steps), the one after is steady.
+    _, state = verified_latest(t.ckpt)
+    first = state["step"] - state["step"] % 2 + 2
+    r = started(Trainer(floor_args(tiny_data, tmp_path, "--resume-from-latest", "--eval-every", "1000",
+                                   "--ckpt-every", str(first + 1)), tmp_path))
+    wait_until(lambda: floor_warnings(r) or r.proc.poll() is not None, RUN_TIMEOUT, 0.1, "a floor warning")
+    r.stop()
+    assert "(not steady: resume)" in step_line(r, first) and "(not steady: checkpoint)" in step_line(r, first + 2)
+    assert [w.split("x1.train: ")[1].split(":")[0] for w in floor_warnings(r)] == [f"step {first + 4}"]

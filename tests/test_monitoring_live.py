@@ -85,7 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Iterator
     key = "live-test-key-0001"
     fake = Service("fake-billing", [sys.executable, "-m", "budget_sidecar.fake_billing", "--host", "127.0.0.1",
                                     "--port", str(ports.fake_billing), "--provider", "lambda", "--instance-id",
-                                    "i-live-0001", "--price-usd-per-hr", "1.10", "--time-scale", "120"],
+                                    "i-live-0001", "--price-usd-per-hr", "1.10", "--time-scale", "1"],
                    ws.log("fake-billing"), cli_env(BILLING_API_KEY=key),
                    url=f"http://127.0.0.1:{ports.fake_billing}", health_path="/_state")
     env_file = ws.root / "live.env"
@@ -94,7 +94,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> Iterator
         "BUDGET_POLL_SECONDS": "1", "X1_CONFIG": "configs/tiny-cpu.yaml", "TOTAL_STEPS": "5000",
         "CKPT_EVERY": "1000", "EVAL_EVERY": "10", "LOG_EVERY": "2", "MLFLOW_WORKERS": "1",
         "TRAIN_EXTRA_ARGS": "--run-name x1-live --budget-check-every-min 0.25", **ports.env()}.items()))
-    stack_env = cli_env(LAMBDA_API_KEY=key, X1_BUDGET_TIME_SCALE="120", OMP_NUM_THREADS="1")
+    # Billed in real time: 5000 steps at the demo's 120x would not fit the cap, and the trainer's own
+    # projection would stop the run (76) at its first steady interval. Spend still rises ($1.10/h).
+    stack_env = cli_env(LAMBDA_API_KEY=key, OMP_NUM_THREADS="1")
     try:
         wait_until(fake.healthy, 60, "the fake billing API")
         # This module runs its own Prometheus, scraping every second.

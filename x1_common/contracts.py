@@ -211,12 +211,19 @@ class Heartbeat:
 M_TRAIN_STEP = "x1_train_step"
 M_TRAIN_TOKENS = "x1_train_tokens"  # counter: exported as x1_train_tokens_total
 M_TRAIN_TOKENS_PER_SECOND = "x1_train_tokens_per_second"
-M_TRAIN_MFU = "x1_train_mfu_ratio"
+M_TRAIN_MFU = "x1_train_mfu_ratio"  # labels: peak = datasheet | measured, peak_tflops = the peak it is against
 M_TRAIN_LOSS = "x1_train_loss"
 M_TRAIN_VAL_LOSS = "x1_train_val_loss"
 M_TRAIN_GRAD_NORM = "x1_train_grad_norm"
 M_TRAIN_LR = "x1_train_lr"
 M_TRAIN_SPENT = "x1_train_budget_spent_usd"
+# The budget guard's projection (SPEC §6 rule 2): what it judges (the larger of the two below), the
+# trainer's own (spent + rate x the hours its remaining steps need + margin), the sidecar's as the
+# guard extrapolates it, and the billed hours the trainer still needs (margin not included).
+M_TRAIN_PROJECTED = "x1_train_budget_projected_total_usd"
+M_TRAIN_PROJECTED_OWN = "x1_train_budget_projected_own_usd"
+M_TRAIN_PROJECTED_SIDECAR = "x1_train_budget_projected_sidecar_usd"
+M_TRAIN_HOURS_NEEDED = "x1_train_budget_hours_needed"
 M_CHECKPOINT_LAST_STEP = "x1_checkpoint_last_step"
 M_CHECKPOINT_SAVE_SECONDS = "x1_checkpoint_save_seconds"
 
@@ -229,6 +236,7 @@ M_BUDGET_LAST_UPDATE = "x1_budget_last_update_timestamp_seconds"
 M_BUDGET_POLL_FAILURES = "x1_budget_poll_failures"  # counter: x1_budget_poll_failures_total
 M_BUDGET_STALE = "x1_budget_stale"
 M_BUDGET_ALERT = "x1_budget_alert_usd"  # the alert line (SPEC §6: $30)
+M_BUDGET_PLANNED_HOURS = "x1_budget_planned_hours"  # 0: none, the sidecar's projection is the spend so far
 
 # Watchdog, Prometheus (port 9793)
 M_WATCHDOG_RESTARTS = "x1_watchdog_restarts"  # counter with label reason: x1_watchdog_restarts_total
@@ -249,6 +257,8 @@ MLFLOW_TRAIN_METRICS = (
     "tokens_seen",
     "spent_usd",
 )
+# The guard's projection at each log step (see M_TRAIN_PROJECTED*): judged, own, sidecar's; billed hours needed.
+MLFLOW_BUDGET_METRICS = ("projected_usd", "projected_own_usd", "projected_sidecar_usd", "hours_needed")
 MLFLOW_VAL_LOSS = "val_loss"
 MLFLOW_SPIKE = "spike"  # 1.0 at a detected spike's step
 MLFLOW_SPIKE_INJECTED = "spike_injected"  # 1.0 at each injected step

@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         settings.provider, settings.instance_id or f"at ${settings.rate_usd_per_hr}/h", settings.poll_seconds,
         settings.cap_usd, settings.output, f", TIME SCALE {settings.time_scale:g}x" if settings.time_scale != 1 else "",
     )
+    if settings.planned_hours is None:
+        log.warning("no --planned-hours (PLANNED_HOURS): projected_total_usd is the spend so far, with no "
+                    "remaining-time term (budget.json: \"projection\": \"%s\"). The trainer's budget guard "
+                    "projects the remaining time from its own steps and measured throughput; set --planned-hours to "
+                    "plan's hours to see the plan in Grafana's projected total too", settings.projection_basis)
     sock = bind(settings.host, settings.port) if settings.port else None
     if sock is None:
         run_without_http(poller)

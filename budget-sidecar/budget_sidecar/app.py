@@ -65,7 +65,10 @@ class BudgetCollector:
             (contracts.M_BUDGET_ALERT, "the alert line, USD (email + Slack once per crossing)", s.alert_usd),
             (contracts.M_BUDGET_SPENT, "spent so far, USD (never decreases)", doc.get("spent_usd")),
             (contracts.M_BUDGET_RATE, "current price, USD per hour", doc.get("rate_usd_per_hr")),
-            (contracts.M_BUDGET_PROJECTED, "spent + rate x remaining planned hours, USD", doc.get("projected_total_usd")),
+            (contracts.M_BUDGET_PROJECTED, "spent + rate x remaining planned hours (none planned: spent only), USD",
+             doc.get("projected_total_usd")),
+            (contracts.M_BUDGET_PLANNED_HOURS, "billed hours planned (--planned-hours); 0: none, the projection is "
+             "the spend so far and the trainer's guard projects the rest", s.planned_hours or 0.0),
             (contracts.M_BUDGET_LAST_UPDATE, "unix time of the last budget.json write", snap.last_update),
             (contracts.M_BUDGET_STALE, "1 when the reading is stale (failed polls)", float(is_stale(snap, s, time.time()))),
         ]

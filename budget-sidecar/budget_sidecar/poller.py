@@ -107,11 +107,14 @@ class Poller:
         )
         doc = None if reading is None else reading_document(reading, self.ledger, s.time_scale)
         if doc is not None:
+            # Informative: without planned hours the projection has no remaining-time term, and says so.
+            doc["projection"] = s.projection_basis
+            doc["planned_hours"] = s.planned_hours
             write_json_atomic(s.output, doc)
             log.info(
-                "%s: spent $%.4f at $%.2f/h over %.3f h, projected $%.2f of $%.2f%s",
+                "%s: spent $%.4f at $%.2f/h over %.3f h, projected $%.2f of $%.2f (%s)%s",
                 self.ledger.instance_status or "?", reading.spent_usd, reading.rate_usd_per_hr, reading.hours_elapsed,
-                reading.projected_total_usd, s.cap_usd, " (STALE)" if reading.stale else "",
+                reading.projected_total_usd, s.cap_usd, s.projection_basis, " (STALE)" if reading.stale else "",
             )
         with self._lock:
             self._snapshot = Snapshot(

@@ -27,7 +27,11 @@ class SidecarSettings(BaseSettings):
     output: Path = Field(Path("/workspace/budget.json"), description="budget.json, rewritten atomically every poll")
     cap_usd: float = Field(35.0, gt=0, description="the hard cap, written into budget.json and /metrics")
     alert_usd: float = Field(30.0, gt=0, description="the alert line (informative here; the trainer alerts)")
-    planned_hours: float | None = Field(None, gt=0, description="billed hours planned: projected = spent + rate x rest")
+    planned_hours: float | None = Field(
+        None, gt=0, description="billed hours planned: projected = spent + rate x rest. None: projected = the spend so "
+        "far (no remaining-time term; budget.json says so in `projection`), and the trainer's guard alone projects "
+        "the rest, from its own steps and measured throughput"
+    )
     rate_usd_per_hr: float | None = Field(None, gt=0, description="static provider only: the hourly rate")
     initial_hours: float = Field(
         0.0, ge=0, description="hours billed before the first poll (Lambda reports no launch time): charged at the first rate"
@@ -53,6 +57,13 @@ class SidecarSettings(BaseSettings):
         if self.alert_usd > self.cap_usd:
             raise ValueError(f"alert_usd: {self.alert_usd:g} is above cap_usd={self.cap_usd:g}")
         return self
+
+    @property
+    def projection_basis(self) -> str:
+        """What projected_total_usd counts, in words (budget.json's `projection`, the poll log line)."""
+        if self.planned_hours is None:
+            return "spent only: no planned hours"
+        return f"spent + rate x the rest of {self.planned_hours:g} planned hours"
 
     @property
     def state_path(self) -> Path:

@@ -43,7 +43,7 @@ _MEASURED = {
     "h200": Throughput(805_000.0, "measured: this trainer on one H200, 2026-12-01, call 16 (docs/PERFORMANCE.md)"),
 }
 _MEASURED_MFU_DATASHEET = 0.496  # that measurement over the 989 TFLOP/s datasheet peak
-_MEASURED_FLOPS_PER_TOKEN = 609.1e6
+_MEASURED_FLOPS_PER_TOKEN = 609.1e6  # the 50M config's (flops_per_token(ModelConfig()) = 609.07M)
 
 
 def tokens_per_sec_table() -> dict[str, Throughput]:
@@ -54,6 +54,35 @@ def tokens_per_sec_table() -> dict[str, Throughput]:
         tps = _MEASURED_MFU_DATASHEET * peak * 1e12 / _MEASURED_FLOPS_PER_TOKEN
         table[gpu] = Throughput(round(tps, -3), f"estimate: H200-measured MFU {_MEASURED_MFU_DATASHEET} x {peak:.0f} TFLOP/s datasheet")
     return table
+
+
+def expected_tokens_per_sec(gpu: str, model: ModelConfig) -> Throughput | None:
+    """Tokens/s `plan` expects for `model` on one `gpu`: the table's figure, which is the 50M
+    config's, scaled by FLOPs/token for another model (the same MFU: an estimate). None where
+    there is no figure: a CPU, an unknown GPU. The trainer's launch check and throughput floor
+    use this same number, so that what plan promised is what the run is held to."""
+    row = tokens_per_sec_table().get(gpu)
+    if row is None:
+        return None
+    ratio = _MEASURED_FLOPS_PER_TOKEN / flops_per_token(model)
+    if abs(ratio - 1.0) < 0.01:  # the 50M config itself
+        return row
+    return Throughput(round(row.tokens_per_sec * ratio, -2),
+                      f"{row.source}, scaled by FLOPs/token to this model (same MFU assumed: an estimate)")
+
+
+def steps_that_fit(budget_left_usd: float, rate_usd_per_hr: float, seconds_per_step: float, margin: float) -> int:
+    """Optimizer steps whose billed time, plus the margin on it, costs at most `budget_left_usd`.
+
+    The same arithmetic as the trainer's own projection (budget_guard.Pace): spent + rate x
+    hours still needed x (1 + margin) <= cap. Overheads (evals, checkpoints) are left to the margin.
+    """
+    if budget_left_usd <= 0 or seconds_per_step <= 0:
+        return 0
+    if rate_usd_per_hr <= 0:
+        raise ValueError("steps_that_fit: a rate of $0/h buys unlimited steps")
+    hours = budget_left_usd / (rate_usd_per_hr * (1.0 + margin))
+    return int(hours * 3600.0 / seconds_per_step)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:

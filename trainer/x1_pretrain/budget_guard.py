@@ -1,9 +1,9 @@
 """The budget guard (SPEC §6): the trainer's side of the budget contract. There is no silent-overspend mode.
 
     guard = BudgetGuard.from_config(cfg.budget)     # NullGuard when --budget-cap-usd is not given
-    pre = guard.prelaunch()                          # waits for a first reading; 77 / 78 refuse the launch
+    pre = guard.prelaunch(pace)                      # waits for a first reading; 77 / 78 refuse the launch
     ...
-    decision = guard.maybe_check()                   # every optimizer step; reads every check_every_min
+    decision = guard.maybe_check(step)               # every optimizer step; reads every check_every_min
     if decision.exit_code: ...                       # 76: checkpoint then exit; 77: exit now
 
 The reading is budget.json (a path) or the sidecar's /budget (a URL). Spend is always judged
@@ -12,7 +12,11 @@ zero; an unreadable source means "no new reading", and the last one keeps being 
 The rules, in order:
 
 1. spent > cap: exit 77 at once, no checkpoint write;
-2. projected total > cap: clean checkpoint, exit 76;
+2. projected total > cap: clean checkpoint, exit 76. The projected total is the larger of the
+   sidecar's projected_total_usd (which cannot know how long the run is) and the trainer's own:
+   spent + rate x the hours its remaining steps need at its measured pace (`Pace`: the plan's
+   throughput until the first steady log interval, then a rolling measure), plus its measured
+   eval, checkpoint and restart overheads, plus `margin` of that time;
 3. spent > alert line: email + webhook, once per crossing;
 4. rate > 1.2 × planned rate: warning alert (the planned rate is the first reading's when not given);
 5. reading older than stale_after_min or marked stale: stale-data alert, once per episode.
@@ -28,8 +32,9 @@ import math
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -37,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from x1_common.alerts import AlertSender
 from x1_common.contracts import BudgetFormatError, BudgetReading, ExitCode
+from x1_pretrain.accounting import fmt_count, steps_that_fit
 from x1_pretrain.config import BudgetConfig, ConfigError
 from x1_pretrain.plan import usd  # $35 / $26.40, the seed's style
 
@@ -45,6 +51,7 @@ if TYPE_CHECKING:
 
 RATE_WARNING_FACTOR = 1.2  # the seed: an hourly rate 20% over plan is worth a human's look
 READ_TIMEOUT_S = 5.0  # one HTTP read of the sidecar's /budget
+ROLLING_S = 1800.0  # the rolling pace spans the last 30 min of steady training: drift shows within the hour
 
 _log = logging.getLogger("x1.budget_guard")
 
@@ -64,10 +71,182 @@ class Decision:
     spent_usd: float | None  # extrapolated spend judged (None when no reading yet)
     projected_usd: float | None
     alerts: tuple[str, ...] = ()  # alert kinds raised during this check: "alert-line", "rate", "stale"
+    projection: Projection | None = None  # the projection judged, with its inputs (None before any reading)
+    checked: bool = True  # False between checks (not due) and with the guard off: nothing new to log
 
 
 class ReadError(Exception):
     """No usable reading from the source this time (missing, unreachable, torn, invalid)."""
+
+
+# --------------------------------------------------------------------------------------------
+# The run's own pace: how long its remaining steps take, as the trainer measures itself.
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One log interval of training, as train.Throughput measures it."""
+
+    steps: int
+    seconds: float  # training time: eval and checkpoint time left out
+    tokens: int
+    # Why the interval says nothing about the steady rate: "start" or "resume" (the first interval
+    # of a process: compile, warm-up, first optimizer step, a restore), "eval", "checkpoint".
+    not_steady: tuple[str, ...] = ()
+    paused: dict[str, list[float]] = field(default_factory=dict)  # seconds of each eval / checkpoint in it
+
+    @property
+    def steady(self) -> bool:
+        return not self.not_steady
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+@dataclass(frozen=True)
+class Need:
+    """The wall time the run still needs, and what it is made of (the budget log line's inputs)."""
+
+    steps_left: int
+    seconds_per_step: float
+    pace: str  # where seconds_per_step comes from: the plan's throughput, or measured
+    evals_left: int
+    eval_s: float
+    eval_note: str  # "measured" or how it is estimated
+    ckpts_left: int  # the final files count as one
+    ckpt_s: float
+    restarts_ahead: float  # the restarts so far, extrapolated over the steps left
+    restart_s: float  # this process's start-up: setup, compile, warm-up, the slow first interval
+
+    @property
+    def seconds(self) -> float:
+        return (self.steps_left * self.seconds_per_step + self.evals_left * self.eval_s
+                + self.ckpts_left * self.ckpt_s + self.restarts_ahead * self.restart_s)
+
+    def describe(self) -> str:
+        return (f"{self.steps_left:,} steps x {self.seconds_per_step:.3g} s ({self.pace}) + {self.evals_left} evals x "
+                f"{self.eval_s:.2g} s ({self.eval_note}) + {self.ckpts_left} checkpoints x {self.ckpt_s:.2g} s + "
+                f"{self.restarts_ahead:.1f} restarts x {self.restart_s:.0f} s")
+
+
+def _count_due(after: int, upto: int, every: int) -> int:
+    """How many of the steps after+1 .. upto are multiples of `every` or the last step (`upto`)."""
+    if after >= upto:
+        return 0
+    return upto // every - after // every + (1 if upto % every else 0)
+
+
+class Pace:
+    """How long the run still needs, from what it has measured of itself (SPEC §6, rule 2).
+
+    Seconds per step: the plan's throughput (`expected_tokens_per_sec`) until the first steady
+    interval is measured, then the steady intervals of the last ROLLING_S seconds. On a machine
+    with no plan figure (a CPU) there is no pace until that first steady interval.
+    Overheads: the mean measured seconds per eval and per checkpoint times those still due (an
+    eval not yet measured: its tokens at three times the training rate, a forward only); and this
+    process's start-up times the restarts expected at the rate seen so far (none on a first start).
+    """
+
+    def __init__(self, *, total_steps: int, tokens_per_step: int, eval_every: int, ckpt_every: int,
+                 eval_tokens: int, start_step: int = 0, restarts: int = 0,
+                 expected_tokens_per_sec: float | None = None, expected_source: str = "",
+                 started: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.eval_every, self.ckpt_every, self.eval_tokens = eval_every, ckpt_every, eval_tokens
+        self.step, self.restarts = start_step, restarts
+        self.expected_tokens_per_sec, self.expected_source = expected_tokens_per_sec, expected_source
+        self.clock = clock
+        self.started = clock() if started is None else started
+        self._steady: deque[tuple[int, float]] = deque()  # (steps, seconds) of recent steady intervals
+        self._steady_s = 0.0
+        self._steady_steps_total = 0
+        self._pauses: dict[str, list[float]] = {"eval": [], "checkpoint": []}
+        self._startup: tuple[float, int] | None = None  # (seconds from `started` to the first read, its steps)
+
+    @property
+    def measured(self) -> bool:
+        """True once a steady interval has been measured."""
+        return self._steady_steps_total > 0
+
+    def record(self, interval: Interval, step: int) -> None:
+        self.step = step
+        if self._startup is None:
+            self._startup = (self.clock() - self.started, interval.steps)
+        for kind, seconds in interval.paused.items():
+            self._pauses.setdefault(kind, []).extend(seconds)
+        if not interval.steady or interval.steps <= 0:
+            return
+        self._steady.append((interval.steps, interval.seconds))
+        self._steady_s += interval.seconds
+        self._steady_steps_total += interval.steps
+        while len(self._steady) > 1 and self._steady_s - self._steady[0][1] >= ROLLING_S:
+            self._steady_s -= self._steady.popleft()[1]
+
+    def seconds_per_step(self) -> tuple[float, str] | None:
+        if self._steady:
+            steps = sum(n for n, _ in self._steady)
+            how = ("measured: the first steady interval" if len(self._steady) == 1 and
+                   self._steady_steps_total == steps else f"measured: rolling over {steps:,} steps")
+            return self._steady_s / steps, how
+        if self.expected_tokens_per_sec:
+            return (self.tokens_per_step / self.expected_tokens_per_sec,
+                    f"plan: {fmt_count(self.expected_tokens_per_sec)} tokens/s, {self.expected_source}")
+        return None
+
+    def need(self, step: int | None = None) -> Need | None:
+        """What the steps after `step` still need; None while there is no pace at all."""
+        step = self.step if step is None else step
+        pace = self.seconds_per_step()
+        if pace is None:
+            return None
+        sps, how = pace
+        evals = self._pauses.get("eval") or []
+        if evals:
+            eval_s, eval_note = sum(evals) / len(evals), "measured"
+        else:
+            eval_s, eval_note = self.eval_tokens / self.tokens_per_step * sps / 3.0, "estimated: a forward"
+        ckpts = self._pauses.get("checkpoint") or []
+        ckpt_s = sum(ckpts) / len(ckpts) if ckpts else 0.0
+        steps_left = max(self.total_steps - step, 0)
+        restart_s = 0.0
+        if self._startup is not None:
+            restart_s = max(0.0, self._startup[0] - self._startup[1] * sps)
+        restarts_ahead = self.restarts * steps_left / step if step > 0 else 0.0
+        return Need(
+            steps_left=steps_left, seconds_per_step=sps, pace=how,
+            evals_left=_count_due(step, self.total_steps, self.eval_every), eval_s=eval_s, eval_note=eval_note,
+            ckpts_left=_count_due(step, self.total_steps, self.ckpt_every) + (1 if steps_left else 0), ckpt_s=ckpt_s,
+            restarts_ahead=restarts_ahead, restart_s=restart_s,
+        )
+
+
+@dataclass(frozen=True)
+class Projection:
+    """What rule 2 judges: the larger of the sidecar's projection and the trainer's own."""
+
+    spent_usd: float  # extrapolated
+    rate_usd_per_hr: float
+    sidecar_usd: float  # the sidecar's projected_total_usd, extrapolated (never under the spend)
+    own_usd: float | None  # spent + rate x billed hours needed x (1 + margin); None: no pace yet
+    hours_needed: float | None  # billed hours still needed, margin not included
+    margin: float
+    need: Need | None
+    no_own: str = ""  # why there is no own projection, when there is none
+
+    @property
+    def judged_usd(self) -> float:
+        return max(self.sidecar_usd, self.own_usd if self.own_usd is not None else 0.0)
+
+    def line(self, cap: float) -> str:
+        """The projection's inputs and result, in one line."""
+        head = f"spent {usd(self.spent_usd)} at {usd(self.rate_usd_per_hr)}/h"
+        if self.need is None or self.own_usd is None or self.hours_needed is None:
+            own = f"own projection: {self.no_own or 'none'}"
+        else:
+            own = (f"still needed: {self.need.describe()} = {self.hours_needed:.3g} h billed, "
+                   f"+{self.margin:.0%} -> own {usd(self.own_usd)}")
+        return f"{head}; {own}; sidecar's {usd(self.sidecar_usd)}: projected {usd(self.judged_usd)} of {usd(cap)}"
 
 
 def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReading, float]:
@@ -117,6 +296,7 @@ class BudgetGuard:
         *,
         reader: Callable[[], tuple[BudgetReading, float]] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        pace: Pace | None = None,
     ) -> None:
         if cfg.cap_usd is None:
             raise ValueError("BudgetGuard needs cap_usd; use BudgetGuard.from_config for the off switch")
@@ -131,6 +311,9 @@ class BudgetGuard:
         self._time_scale = 1.0
         self._last_check: float | None = None
         self.planned_rate: float | None = cfg.planned_rate_usd_per_hr
+        self.pace = pace  # the run's own pace; None: judged by the sidecar's projection alone
+        self._step: int | None = None
+        self._judged_measured = False  # the first measured pace is judged at once, not at the next due check
         # One alert per crossing: each flag is set when its alert goes out, cleared when the
         # condition clears, so a second crossing alerts again.
         self._over_alert_line = False
@@ -181,6 +364,39 @@ class BudgetGuard:
             return None
         return self._extrapolate(self.last_reading, self.clock())[0]
 
+    def projection(self, step: int | None = None) -> Projection | None:
+        """The projection rule 2 would judge now (None before any reading): for MLflow and /metrics too."""
+        if step is not None:
+            self._step = step
+        if self.last_reading is None:
+            return None
+        return self._project(self.last_reading, self.clock())
+
+    def _project(self, reading: BudgetReading, now: float) -> Projection:
+        spent, sidecar = self._extrapolate(reading, now)
+        need = self.pace.need(self._step) if self.pace is not None else None
+        own = hours = None
+        if need is not None:
+            hours = need.seconds * self._time_scale / 3600.0  # wall seconds -> billed hours (x1 outside tests)
+            own = spent + reading.rate_usd_per_hr * hours * (1.0 + self.cfg.margin)
+        no_own = ("" if need is not None else "no pace given" if self.pace is None else
+                  "no pace yet (no plan throughput for this machine: the first steady interval decides)")
+        return Projection(spent_usd=spent, rate_usd_per_hr=reading.rate_usd_per_hr, sidecar_usd=sidecar,
+                          own_usd=own, hours_needed=hours, margin=self.cfg.margin, need=need, no_own=no_own)
+
+    def _steps_that_fit(self, p: Projection) -> str:
+        """', --total-steps N fits' for a refusal or a stop, where the pace says what N is."""
+        if p.need is None or p.rate_usd_per_hr <= 0 or self.pace is None or p.need.steps_left <= 0:
+            return ""
+        done = self.pace.total_steps - p.need.steps_left
+        # Per step left, its share of the evals, checkpoints and restarts too: they scale with the steps.
+        billed_s_per_step = p.need.seconds / p.need.steps_left * self._time_scale
+        left = steps_that_fit(self.cap - p.spent_usd, p.rate_usd_per_hr, billed_s_per_step, self.cfg.margin)
+        fits = done + left
+        if fits >= 1000:  # a round figure leaves a little slack for the minutes a relaunch bills
+            fits = fits // 100 * 100
+        return f"; --total-steps {fits} fits (of {self.pace.total_steps:,})"
+
     def _try_read(self) -> str | None:
         """Read the source into last_reading; the error in words when there is no new reading."""
         try:
@@ -191,8 +407,13 @@ class BudgetGuard:
         return None
 
     # --- start ------------------------------------------------------------------------------
-    def prelaunch(self) -> Decision:
+    def prelaunch(self, pace: Pace | None = None) -> Decision:
+        """Wait for a first reading and judge it; with `pace`, also whether the run's steps can finish
+        under the cap at the plan's throughput (no pace: the first steady interval decides)."""
         cfg = self.cfg
+        if pace is not None:
+            self.pace = pace
+            self._step = pace.step
         if cfg.planned_rate_usd_per_hr is not None and cfg.planned_hours is not None:
             sentence, ok = planned_sentence(cfg.planned_rate_usd_per_hr, cfg.planned_hours, self.cap,
                                             cfg.max_price_usd_per_hr)
@@ -230,33 +451,47 @@ class BudgetGuard:
         if self.planned_rate is None:
             self.planned_rate = reading.rate_usd_per_hr
             self.log.info("planned rate taken from the first reading: %s/h", usd(self.planned_rate))
-        spent, projected = self._extrapolate(reading, now)
+        p = self._project(reading, now)
+        spent, projected = p.spent_usd, p.judged_usd
         if spent > self.cap:
             return self._decide(Action.EXIT_NOW, ExitCode.BUDGET_SPENT,
-                                f"spent {usd(spent)} is already over the cap {usd(self.cap)}: not starting", spent, projected)
+                                f"spent {usd(spent)} is already over the cap {usd(self.cap)}: not starting", spent,
+                                projected, projection=p)
         if reading.rate_usd_per_hr > cfg.max_price_usd_per_hr:
             return self._decide(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED,
                                 f"price {usd(reading.rate_usd_per_hr)}/h is over the max price "
-                                f"{usd(cfg.max_price_usd_per_hr)}/h: launch refused", spent, projected)
+                                f"{usd(cfg.max_price_usd_per_hr)}/h: launch refused", spent, projected, projection=p)
         if projected > self.cap:
             return self._decide(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED,
-                                f"projected total {usd(projected)} is over the cap {usd(self.cap)}: launch refused",
-                                spent, projected)
+                                f"projected total {usd(projected)} is over the cap {usd(self.cap)}: launch refused"
+                                f"{self._steps_that_fit(p)}. {p.line(self.cap)}", spent, projected, projection=p)
         return self._judge(now, prefix="launch accepted")
 
     # --- during the run ---------------------------------------------------------------------
-    def maybe_check(self) -> Decision:
-        """Cheap enough for every optimizer step: reads only when check_every_min has passed."""
+    def maybe_check(self, step: int | None = None) -> Decision:
+        """Cheap enough for every optimizer step: reads only when check_every_min has passed, or
+        when the run has just measured its first steady pace (judged at once: a run that cannot
+        finish stops in its first minutes, not half an hour later)."""
         now = self.clock()
-        if self._last_check is not None and now - self._last_check < self.cfg.check_every_min * 60.0:
-            spent, projected = (None, None) if self.last_reading is None else self._extrapolate(self.last_reading, now)
-            return Decision(Action.CONTINUE, None, "budget check not due", spent, projected)
-        return self.check()
+        if step is not None:
+            self._step = step
+        first_pace = self.pace is not None and self.pace.measured and not self._judged_measured
+        if not first_pace and self._last_check is not None and now - self._last_check < self.cfg.check_every_min * 60.0:
+            if self.last_reading is None:
+                return Decision(Action.CONTINUE, None, "budget check not due", None, None, checked=False)
+            p = self._project(self.last_reading, now)
+            return Decision(Action.CONTINUE, None, "budget check not due", p.spent_usd, p.judged_usd, projection=p,
+                            checked=False)
+        return self.check(step)
 
-    def check(self) -> Decision:
+    def check(self, step: int | None = None) -> Decision:
         """Read now and apply the rules in order."""
         now = self.clock()
         self._last_check = now
+        if step is not None:
+            self._step = step
+        if self.pace is not None and self.pace.measured:
+            self._judged_measured = True
         why = self._try_read()
         if why is not None:
             self.log.warning("no new budget reading (%s): judging the last one, extrapolated", why)
@@ -270,7 +505,8 @@ class BudgetGuard:
     def _judge(self, now: float, prefix: str = "continue") -> Decision:
         reading = self.last_reading
         assert reading is not None
-        spent, projected = self._extrapolate(reading, now)
+        p = self._project(reading, now)
+        spent, projected = p.spent_usd, p.judged_usd
         age_min = self._age_s(reading, now) / 60.0
         fields = {"spent_usd": round(spent, 2), "projected_usd": round(projected, 2), "cap_usd": self.cap,
                   "rate_usd_per_hr": reading.rate_usd_per_hr, "reading_age_min": round(age_min, 1),
@@ -280,7 +516,7 @@ class BudgetGuard:
         if spent > self.cap:
             return self._decide(Action.EXIT_NOW, ExitCode.BUDGET_SPENT,
                                 f"spent {usd(spent)} (extrapolated from a reading {age_min:.0f} min old) is over the cap "
-                                f"{usd(self.cap)}: exiting now without a checkpoint", spent, projected)
+                                f"{usd(self.cap)}: exiting now without a checkpoint", spent, projected, projection=p)
         # 3. to 5.: alerts, no action. Judged before rule 2 acts, so that a stop for the projection
         # still tells the person why (a price that tripled: the rate warning, then the stop).
         sent = self._alerts(reading, spent, projected, age_min, fields)
@@ -288,13 +524,13 @@ class BudgetGuard:
         if projected > self.cap:
             return self._decide(Action.CHECKPOINT_AND_EXIT, ExitCode.BUDGET_PROJECTED,
                                 f"projected total {usd(projected)} is over the cap {usd(self.cap)} (spent {usd(spent)}): "
-                                "checkpoint and exit", spent, projected, sent)
+                                f"checkpoint and exit{self._steps_that_fit(p)}. {p.line(self.cap)}", spent, projected,
+                                sent, projection=p)
         notes = [n for n, on in (("alert line crossed", "alert-line" in sent), ("rate over plan", "rate" in sent),
                                  ("stale reading", "stale" in sent)) if on]
-        reason = (f"{prefix}: spent {usd(spent)}, projected {usd(projected)} of {usd(self.cap)}"
-                  + (f" ({', '.join(notes)})" if notes else ""))
+        reason = f"{prefix}: {p.line(self.cap)}" + (f" ({', '.join(notes)})" if notes else "")
         self.log.info("budget: %s", reason)
-        return Decision(Action.CONTINUE, None, reason, spent, projected, tuple(sent))
+        return Decision(Action.CONTINUE, None, reason, spent, projected, tuple(sent), projection=p)
 
     def _alerts(self, reading: BudgetReading, spent: float, projected: float, age_min: float,
                 fields: Mapping[str, Any]) -> list[str]:
@@ -329,9 +565,9 @@ class BudgetGuard:
         return [kind]
 
     def _decide(self, action: Action, code: int, reason: str, spent: float | None, projected: float | None,
-                alerts: list[str] | None = None) -> Decision:
+                alerts: list[str] | None = None, projection: Projection | None = None) -> Decision:
         self.log.error("budget: %s", reason)
-        return Decision(action, int(code), reason, spent, projected, tuple(alerts or ()))
+        return Decision(action, int(code), reason, spent, projected, tuple(alerts or ()), projection)
 
 
 class NullGuard:
@@ -340,18 +576,21 @@ class NullGuard:
     enabled = False
     last_reading: BudgetReading | None = None
 
-    _OFF = Decision(Action.CONTINUE, None, "budget guard off (no --budget-cap-usd)", None, None)
+    _OFF = Decision(Action.CONTINUE, None, "budget guard off (no --budget-cap-usd)", None, None, checked=False)
 
-    def prelaunch(self) -> Decision:
+    def prelaunch(self, pace: Pace | None = None) -> Decision:
         return self._OFF
 
-    def maybe_check(self) -> Decision:
+    def maybe_check(self, step: int | None = None) -> Decision:
         return self._OFF
 
-    def check(self) -> Decision:
+    def check(self, step: int | None = None) -> Decision:
         return self._OFF
 
     def spent_usd_now(self) -> float | None:
+        return None
+
+    def projection(self, step: int | None = None) -> Projection | None:
         return None
 
 
@@ -378,6 +617,7 @@ class _Step:
     reading: dict[str, Any] | None  # spent, rate, projected, age_min, stale; None: the source fails
     expect: tuple[Action, int | None, tuple[str, ...]]
     new_guard: bool = False
+    pace: str | None = None  # "plan": the seed's 84,000 steps at plan's A100 figure; "measured": too slow a measure
 
 
 def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
@@ -399,6 +639,8 @@ def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
     yield _Step("start: price over the max price", "prelaunch", r(low, low, rate_=maxp + 0.5), (R, 78, ()), new_guard=True)
     yield _Step("start: projection over the cap", "prelaunch", r(low, cap + 5), (R, 78, ()), new_guard=True)
     yield _Step("start: spent already over the cap", "prelaunch", r(cap + 1), (N, 77, ()), new_guard=True)
+    yield _Step("start: at the plan's throughput the steps cannot finish under the cap (the sidecar's projection "
+                "has no planned hours)", "prelaunch", r(low), (R, 78, ()), new_guard=True, pace="plan")
     yield _Step("start: a good first reading", "prelaunch", r(low, alert - 1), (C, None, ()), new_guard=True)
     yield _Step("run: under every line", "check", r(alert - 2, alert - 1), (C, None, ()))
     yield _Step("run: spent crosses the alert line", "check", r(alert + 0.5, alert + 1), (C, None, ("alert-line",)))
@@ -412,6 +654,8 @@ def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
                 (C, None, ("stale",)))
     yield _Step("run: the source is unreadable (the last reading, extrapolated)", "check", None, (C, None, ()))
     yield _Step("run: projected total over the cap", "check", r(alert + 1.5, cap + 2), (X, 76, ()))
+    yield _Step("run: the trainer's own projection over the cap (measured pace too slow for the steps left; the "
+                "sidecar's under)", "check", r(low), (X, 76, ()), new_guard=True, pace="measured")
     gap_h = 1.0
     old_spent = cap - rate * gap_h / 2
     yield _Step(f"run: an old stale reading, extrapolated {gap_h:g} h at its rate, passes the cap", "check",
@@ -444,6 +688,17 @@ def dry_run(cfg: BudgetConfig, out: Callable[[str], None] = print) -> int:
     def sleep(s: float) -> None:
         t[0] += s
 
+    def pace(kind: str | None) -> Pace | None:
+        """The seed's run (84,000 steps of 512K tokens) at plan's A100 estimate, or measured slower."""
+        if kind is None:
+            return None
+        p = Pace(total_steps=84_000, tokens_per_step=524_288, eval_every=1800, ckpt_every=1800, eval_tokens=131_072,
+                 start_step=0 if kind == "plan" else 40_000, expected_tokens_per_sec=254_000.0,
+                 expected_source="plan's A100 80GB estimate (simulated)", clock=lambda: t[0])
+        if kind == "measured":  # one steady interval of 10 steps at 200k tokens/s
+            p.record(Interval(steps=10, seconds=10 * 524_288 / 200_000.0, tokens=10 * 524_288), 40_000)
+        return p
+
     # The plan is judged once on its own; the other steps leave it out so that each reaches its rule.
     run_cfg = cfg.model_copy(update={"planned_hours": None})
     guard: BudgetGuard | None = None
@@ -461,8 +716,9 @@ def dry_run(cfg: BudgetConfig, out: Callable[[str], None] = print) -> int:
             d = Decision(Action.CONTINUE if ok else Action.REFUSE_LAUNCH, None if ok else int(ExitCode.LAUNCH_REFUSED),
                          sentence, None, None)
         elif step.call == "prelaunch":
-            d = guard.prelaunch()
+            d = guard.prelaunch(pace(step.pace))
         else:
+            guard.pace = pace(step.pace) if step.pace else guard.pace
             d = guard.check()
         if step.call == "plan":
             seen = f"the plan: {usd(cfg.planned_rate_usd_per_hr or 0)}/h for {cfg.planned_hours:g} h"

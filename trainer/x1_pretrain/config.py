@@ -129,8 +129,18 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1, description="steps between metric logs (--log-every)")
     eval_every: int = Field(1800, ge=1, description="steps between val evals (--eval-every)")
     eval_windows: int = Field(128, ge=1, description="fixed val windows per eval (x seq_len tokens)")
-    min_tokens_per_sec: float = Field(
-        300_000, ge=0, description="warn when under this during the first hour (the seed's A100 floor)"
+    expected_tokens_per_sec: float | None = Field(
+        None, gt=0, description="tokens/s this run expects over all its GPUs (--expected-tokens-per-sec): the figure "
+        "you gave `plan --tokens-per-sec`. None: plan's figure for the GPU the trainer finds (accounting.py) x the "
+        "world size; none on a CPU. The launch check and the default throughput floor use it"
+    )
+    min_tokens_per_sec: float | None = Field(
+        None, ge=0, description="warn when a steady log interval of the first hour is under this many tokens/s. "
+        "None: floor_fraction x the expected throughput (no floor where none is expected, as on a CPU); 0: off"
+    )
+    floor_fraction: float = Field(
+        0.6, gt=0, le=1, description="the default floor as a share of the expected throughput: the seed's ratio "
+        "(its 300k floor of its 500k estimate; that estimate is 98% of an A100's peak, the ratio is sound)"
     )
     max_nonfinite_in_row: int = Field(5, ge=1, description="non-finite steps in a row before exit 79")
     spike_factor: float = Field(1.5, gt=1, description="a loss over factor x its EMA is a spike")
@@ -186,6 +196,10 @@ class BudgetConfig(_Section):
     planned_rate_usd_per_hr: float | None = Field(None, gt=0, description="planned price: rate > 1.2x this warns")
     planned_hours: float | None = Field(None, gt=0, description="planned hours for the pre-launch sentence")
     first_reading_timeout_min: float = Field(5.0, gt=0, description="wait this long for a first reading, then exit 78")
+    margin: float = Field(
+        0.10, ge=0, le=1, description="the trainer's own projection adds this share of the time it still needs "
+        "(throughput drifts by a few percent; restarts not seen yet): it shrinks as the run nears its end"
+    )
 
 
 class TrackingConfig(_Section):
@@ -255,6 +269,7 @@ SEED_FLAGS = {
     "max_price_usd_per_hr": "budget.max_price_usd_per_hr",
     "planned_rate_usd_per_hr": "budget.planned_rate_usd_per_hr",
     "planned_hours": "budget.planned_hours",
+    "expected_tokens_per_sec": "train.expected_tokens_per_sec",
     "metrics_port": "tracking.metrics_port",
     "metrics_host": "tracking.metrics_host",
     "heartbeat_file": "tracking.heartbeat_file",

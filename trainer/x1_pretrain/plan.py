@@ -23,11 +23,12 @@ from x1_pretrain.accounting import (
     GPU_PEAK_TFLOPS,
     chinchilla_loss,
     chinchilla_optimal_tokens,
+    expected_tokens_per_sec,
     flops_per_token,
     fmt_count,
     mfu,
     param_counts,
-    tokens_per_sec_table,
+    steps_that_fit,
 )
 from x1_pretrain.config import ConfigError, RunConfig, load_config
 
@@ -90,12 +91,24 @@ def make_plan(
     extras = {k: v for k, v in (extras_usd or {}).items() if v}
     counts = param_counts(cfg.model)
     if tokens_per_sec is None:
-        table = tokens_per_sec_table()
-        tps, source = table[gpu].tokens_per_sec, table[gpu].source
+        row = expected_tokens_per_sec(gpu, cfg.model)  # the trainer's launch check and floor use this same figure
+        if row is None:
+            raise ConfigError(f"--gpu {gpu}: no throughput figure for it; give --tokens-per-sec")
+        tps, source = row.tokens_per_sec, row.source
     else:
         tps, source = float(tokens_per_sec), "given: --tokens-per-sec"
     train_hours = max(hours - setup_hours, 0.0)
     tokens = tps * train_hours * 3600.0
+    # The trainer refuses a launch whose steps, at this throughput plus its margin, would not finish
+    # under the cap once the setup hours are spent: propose no more than that, so that a plan's
+    # --total-steps is never refused by the trainer.
+    # Its evals are counted as it counts them before measuring one: a forward over the eval tokens
+    # at three times the training rate, every eval_every steps.
+    eval_share = cfg.train.eval_windows * cfg.model.seq_len / (3.0 * cfg.train.tokens_per_step * cfg.train.eval_every)
+    fits = steps_that_fit(budget_usd - price_usd_per_hr * setup_hours, price_usd_per_hr,
+                          cfg.train.tokens_per_step / tps * (1.0 + eval_share), cfg.budget.margin)
+    if fits >= 1000:  # a round figure, as the trainer names one, with a little slack
+        fits = fits // 100 * 100
     cost = price_usd_per_hr * hours
     total = cost + sum(extras.values())
     reasons = []
@@ -135,7 +148,7 @@ def make_plan(
         mfu_datasheet=mfu(tps, cfg.model, GPU_PEAK_TFLOPS.get(gpu, 0.0)),
         tokens=tokens,
         tokens_per_step=cfg.train.tokens_per_step,
-        proposed_total_steps=int(tokens // cfg.train.tokens_per_step),
+        proposed_total_steps=min(int(tokens // cfg.train.tokens_per_step), fits),
         cost_usd=round(cost, 2),
         total_usd=round(total, 2),
         buffer_usd=round(budget_usd - total, 2),
@@ -169,7 +182,8 @@ def render(plan: Plan, cfg: RunConfig) -> str:
         ("tokens/s", f"{fmt_count(plan.tokens_per_sec)} ({plan.tokens_per_sec_source})"),
         ("MFU (datasheet)", f"{plan.mfu_datasheet:.3f}"),
         ("training hours", f"{plan.hours - plan.setup_hours:g} (of {plan.hours:g}, {plan.setup_hours:g} h setup)"),
-        ("tokens bought", f"{fmt_count(plan.tokens)} = {plan.proposed_total_steps:,} steps of {fmt_count(plan.tokens_per_step)}"),
+        ("tokens bought", f"{fmt_count(plan.tokens)} = {int(plan.tokens // plan.tokens_per_step):,} steps of "
+                          f"{fmt_count(plan.tokens_per_step)}"),
         ("predicted val loss", f"{plan.predicted_val_loss:.2f} nats/token (Chinchilla fit, another corpus: a guide)"),
         ("Chinchilla-optimal", f"{fmt_count(plan.chinchilla_optimal_tokens)} tokens for {fmt_count(plan.params_total)} params (fit)"),
     ]
@@ -180,7 +194,13 @@ def render(plan: Plan, cfg: RunConfig) -> str:
             f"The config's {seed_steps:,} steps = {fmt_count(seed_tokens)} tokens would need ~{hours_needed:.0f} h "
             f"(~{usd(hours_needed * plan.price_usd_per_hr)}) at this speed."
         )
+    if plan.proposed_total_steps < int(plan.tokens // plan.tokens_per_step):
+        lines.append(f"The trainer's own projection (spent + rate x the time left, +{cfg.budget.margin:.0%}) fits "
+                     f"{plan.proposed_total_steps:,} steps under {usd(plan.budget_usd)} after {plan.setup_hours:g} h of setup.")
     lines.append(f"Proposed: --total-steps {plan.proposed_total_steps}")
+    if plan.tokens_per_sec_source.startswith("given"):
+        # The trainer's launch check and throughput floor otherwise use the table's figure for its GPU.
+        lines.append(f"Give the trainer the same throughput: --expected-tokens-per-sec {plan.tokens_per_sec:g}")
     return "\n".join(lines)
 
 

@@ -225,12 +225,21 @@ class PrometheusMetrics:
         self.step = g(C.M_TRAIN_STEP, "optimizer steps completed")
         self.tokens = Counter(C.M_TRAIN_TOKENS, "tokens trained on (counts from the resumed total)", registry=self.registry)
         self.tps = g(C.M_TRAIN_TOKENS_PER_SECOND, "training throughput over the last log interval")
-        self.mfu = g(C.M_TRAIN_MFU, "model FLOPs utilization vs the GPU's bf16 peak (PaLM FLOPs)")
+        self.mfu = Gauge(C.M_TRAIN_MFU, "model FLOPs utilization (PaLM FLOPs) vs the bf16 peak named by the labels: "
+                         "peak=datasheet or measured, peak_tflops", ["peak", "peak_tflops"], registry=self.registry)
         self.loss = g(C.M_TRAIN_LOSS, "training loss, nats/token")
         self.val_loss = g(C.M_TRAIN_VAL_LOSS, "validation loss at the last eval, nats/token")
         self.grad_norm = g(C.M_TRAIN_GRAD_NORM, "global grad norm before clipping")
         self.lr = g(C.M_TRAIN_LR, "learning rate")
         self.spent = g(C.M_TRAIN_SPENT, "budget spent as the trainer last judged it (extrapolated), USD")
+        self.projected = g(C.M_TRAIN_PROJECTED, "projected total the budget guard judges: the larger of its own and "
+                           "the sidecar's, USD")
+        self.projected_own = g(C.M_TRAIN_PROJECTED_OWN, "the trainer's own projection: spent + rate x billed hours its "
+                               "remaining steps need at its measured pace, + overheads and margin, USD")
+        self.projected_sidecar = g(C.M_TRAIN_PROJECTED_SIDECAR, "the sidecar's projected_total_usd as the guard "
+                                   "extrapolates it, USD")
+        self.hours_needed = g(C.M_TRAIN_HOURS_NEEDED, "billed hours the remaining steps need at the measured pace "
+                              "(evals, checkpoints, restarts included; margin not)")
         self.ckpt_step = g(C.M_CHECKPOINT_LAST_STEP, "step of the last complete checkpoint")
         self.ckpt_seconds = g(C.M_CHECKPOINT_SAVE_SECONDS, "seconds the last checkpoint save took")
         self.port = 0

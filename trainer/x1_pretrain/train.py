@@ -34,7 +34,8 @@ from x1_common.fsutil import write_json_atomic
 from x1_common.logs import setup_logging
 from x1_pretrain import distributed as D
 from x1_pretrain import preflight
-from x1_pretrain.accounting import flops_per_token
+from x1_pretrain.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
+from x1_pretrain.budget_guard import Interval, Pace, Projection
 from x1_pretrain.checkpoint import Checkpointer, TrainerState, capture_rng, restore_rng
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
 from x1_pretrain.data import split_window
@@ -102,31 +103,44 @@ class BatchStream:
 
 
 class Throughput:
-    """Tokens/s between log steps, with eval and checkpoint time left out."""
+    """Tokens/s between log steps, eval and checkpoint time left out, and whether the interval was
+    steady. The first interval of a process (compile, warm-up, the first optimizer step, a restore)
+    and one that held an eval or a checkpoint say nothing about the steady rate: the throughput
+    floor does not judge them, and the budget's pace does not average them in (SPEC §5)."""
 
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-        self.paused = 0.0
+    def __init__(self, first: str = "start", clock=time.perf_counter) -> None:
+        self.clock = clock
+        self._reset(clock(), [first])
+
+    def _reset(self, now: float, not_steady: list[str]) -> None:
+        self.t0, self.tokens, self.steps, self.paused_s = now, 0, 0, 0.0
+        self.not_steady = not_steady
+        self.paused: dict[str, list[float]] = {}
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens
+        self.steps += 1
 
     @contextlib.contextmanager
-    def pause(self):
-        t = time.perf_counter()
+    def pause(self, kind: str):
+        """Time spent in `kind` ("eval", "checkpoint") is left out of the rate and measured on its own."""
+        t = self.clock()
         try:
             yield
         finally:
-            self.paused += time.perf_counter() - t
+            seconds = self.clock() - t
+            self.paused_s += seconds
+            self.paused.setdefault(kind, []).append(seconds)
+            if kind not in self.not_steady:
+                self.not_steady.append(kind)
 
-    def read(self) -> tuple[float, float, int]:
-        """(tokens/s, seconds, tokens) since the last read."""
-        now = time.perf_counter()
-        seconds = max(now - self.t0 - self.paused, 1e-9)
-        tokens = self.tokens
-        self.t0, self.tokens, self.paused = now, 0, 0.0
-        return tokens / seconds, seconds, tokens
+    def read(self) -> Interval:
+        """The interval since the last read."""
+        now = self.clock()
+        interval = Interval(steps=self.steps, seconds=max(now - self.t0 - self.paused_s, 1e-9), tokens=self.tokens,
+                            not_steady=tuple(self.not_steady), paused=self.paused)
+        self._reset(now, [])
+        return interval
 
 
 class CompileWatch:
@@ -175,6 +189,9 @@ class Run:
     flops_per_token: float
     peak_tflops: float
     measured_peak_tflops: float | None
+    pace: Pace  # the run's measured pace: the budget guard's projection reads it
+    floor: float  # throughput floor, tokens/s (0: off); floor_source says where it comes from
+    floor_source: str
     throughput: Throughput = field(default_factory=Throughput)
     compiles: CompileWatch = field(default_factory=CompileWatch)
     cudagraphs: bool = False  # compiled with a mode that replays CUDA graphs
@@ -244,16 +261,19 @@ def train_loop(run: Run) -> int:
 
         # 6. eval on the fixed val windows
         if step % cfg.train.eval_every == 0 or step == total:
-            with run.throughput.pause():
+            with run.throughput.pause("eval"):
                 evaluate(run, step)
 
         # 7. checkpoint
         if step % cfg.checkpoint.every == 0 or step == total:
-            with run.throughput.pause():
+            with run.throughput.pause("checkpoint"):
                 save_checkpoint(run, step)
 
-        # 8. budget (rank 0 reads and logs its decision; it reaches every rank through `agree`)
-        budget = run.guard.maybe_check()
+        # 8. budget: spent, and what the steps left need at the run's measured pace (rank 0 reads
+        # and logs its decision; it reaches every rank through `agree`)
+        budget = run.guard.maybe_check(step)
+        if budget.checked:
+            log_budget(run, step, budget.projection)
 
         # 9. stop?
         code = D.agree(run.dist, run.stop.code, budget.exit_code or 0)
@@ -306,8 +326,10 @@ def forward_backward(run: Run, model: torch.nn.Module, x: torch.Tensor, y: torch
 
 def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> None:
     loss_t = D.mean_over_ranks(run.dist, torch.tensor(loss, device=run.dist.device))
-    tps, seconds, tokens = run.throughput.read()
-    run.state.train_seconds += seconds
+    interval = run.throughput.read()
+    run.pace.record(interval, step)
+    tps, tokens = interval.tokens_per_sec, interval.tokens
+    run.state.train_seconds += interval.seconds
     tps_per_gpu = tps / run.dist.world_size
     mfu = tps_per_gpu * run.flops_per_token / (run.peak_tflops * 1e12) if run.peak_tflops else 0.0
     param_norm = total_norm(run.raw_model.parameters())
@@ -323,29 +345,50 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
         "train_hours": run.state.train_seconds / 3600,
         "clipped": float(grad_norm > run.cfg.optim.grad_clip),
     }
+    p = run.sink.prom
+    # Each MFU names its peak: the datasheet's (SPEC §4) and, where given, the measured matmul peak.
+    mfu_text = f"mfu {mfu:.3f} of datasheet {run.peak_tflops:g} TFLOP/s" if run.peak_tflops else "mfu n/a (no datasheet peak)"
+    p.mfu.labels(peak="datasheet", peak_tflops=f"{run.peak_tflops:g}").set(mfu)
     if run.measured_peak_tflops:
         metrics["mfu_measured_peak"] = tps_per_gpu * run.flops_per_token / (run.measured_peak_tflops * 1e12)
+        mfu_text += f", {metrics['mfu_measured_peak']:.3f} of measured {run.measured_peak_tflops:g}"
+        p.mfu.labels(peak="measured", peak_tflops=f"{run.measured_peak_tflops:g}").set(metrics["mfu_measured_peak"])
     if graphs := run.compiles.new_graphs():
         metrics["recompiled_graphs"] = float(graphs)
         log.warning("torch.compile built %d graph(s) after the warm-up, since the last log step: a recompile "
                     "costs seconds to minutes (TORCH_LOGS=recompiles names the guard that failed)", graphs)
-    spent = run.guard.spent_usd_now()
-    if spent is not None:
-        metrics["spent_usd"] = spent
-        run.sink.prom.spent.set(spent)
     run.sink.log(step, metrics)
-    p = run.sink.prom
+    log_budget(run, step, run.guard.projection(step))
     p.step.set(step)
     p.tokens.inc(tokens)
     p.tps.set(tps)
-    p.mfu.set(mfu)
     p.loss.set(metrics["loss"])
     p.grad_norm.set(grad_norm)
     p.lr.set(lr)
     run.sink.heartbeat.beat(step, "training")
-    log.info("step %d/%d loss %.4f lr %.2e grad %.3f tok/s %.0f mfu %.3f", step, run.cfg.train.total_steps,
-             metrics["loss"], lr, grad_norm, tps, mfu)
-    warn_if_slow(run, tps)
+    steady = "" if interval.steady else f" (not steady: {'+'.join(interval.not_steady)})"
+    log.info("step %d/%d loss %.4f lr %.2e grad %.3f tok/s %.0f%s %s", step, run.cfg.train.total_steps,
+             metrics["loss"], lr, grad_norm, tps, steady, mfu_text)
+    warn_if_slow(run, step, interval)
+
+
+def log_budget(run: Run, step: int, projection: Projection | None) -> None:
+    """Spend and the projection the guard judges (its own, the sidecar's, the larger), to MLflow and
+    /metrics: at every budget check and every log step."""
+    if projection is None:  # guard off, or no reading yet
+        return
+    own, hours = projection.own_usd, projection.hours_needed
+    metrics = {"spent_usd": projection.spent_usd, "projected_usd": projection.judged_usd,
+               "projected_sidecar_usd": projection.sidecar_usd}
+    if own is not None and hours is not None:
+        metrics.update(projected_own_usd=own, hours_needed=hours)
+    run.sink.log(step, metrics)
+    p = run.sink.prom
+    p.spent.set(projection.spent_usd)
+    p.projected.set(projection.judged_usd)
+    p.projected_sidecar.set(projection.sidecar_usd)
+    p.projected_own.set(math.nan if own is None else own)  # NaN: no pace yet, a gap in Grafana
+    p.hours_needed.set(math.nan if hours is None else hours)
 
 
 def total_norm(params) -> float:
@@ -354,15 +397,44 @@ def total_norm(params) -> float:
     return norm.item()
 
 
-def warn_if_slow(run: Run, tps: float) -> None:
-    floor = run.cfg.train.min_tokens_per_sec
+def warn_if_slow(run: Run, step: int, interval: Interval) -> None:
+    """The seed's hour-1 floor, judged on steady intervals only: the first interval of a process and
+    one holding an eval or a checkpoint are slow for reasons that are not a problem. A real
+    slowdown (a starved data loader, an eager fallback) shows in the first steady interval."""
     first_hour = run.state.train_seconds < 3600
-    if floor and first_hour and tps < floor and time.time() - run.floor_warned_at > 600:
+    if not run.floor or not first_hour or not interval.steady or interval.tokens_per_sec >= run.floor:
+        return
+    if time.time() - run.floor_warned_at > 600:
         run.floor_warned_at = time.time()
         log.warning(
-            "throughput %.0f tokens/s is under the floor of %.0f: stop and diagnose. Usual causes: "
-            "torch.compile did not fuse (look for compile warnings), the attention kernel is not flash "
-            "(preflight line), the data loader is CPU-bound (iostat; prefetch depth)", tps, floor)
+            "step %d: throughput %.0f tokens/s (a steady interval of %d steps) is under the floor of %.0f (%s): "
+            "stop and diagnose. Usual causes: torch.compile did not fuse or fell back to eager (look for compile "
+            "warnings), the attention kernel is not flash (preflight line), the data loader is CPU-bound (iostat; "
+            "prefetch depth)", step, interval.tokens_per_sec, interval.steps, run.floor, run.floor_source)
+
+
+def throughput_floor(cfg: RunConfig, expected: tuple[float, str] | None) -> tuple[float, str]:
+    """The floor in tokens/s and where it comes from: the config's, else a share of the expected."""
+    t = cfg.train
+    if t.min_tokens_per_sec is not None:
+        return t.min_tokens_per_sec, "train.min_tokens_per_sec" if t.min_tokens_per_sec else "off: train.min_tokens_per_sec 0"
+    if expected is None:
+        return 0.0, "off: no throughput expected on this machine (--expected-tokens-per-sec sets one)"
+    return t.floor_fraction * expected[0], f"{t.floor_fraction:g} x the expected {fmt_count(expected[0])} tokens/s"
+
+
+def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -> tuple[float, str] | None:
+    """Tokens/s this run expects over all its GPUs, and where the figure comes from: the config's
+    (--expected-tokens-per-sec), else plan's for the GPU found here; None on a CPU."""
+    if cfg.train.expected_tokens_per_sec is not None:
+        return cfg.train.expected_tokens_per_sec, "given: --expected-tokens-per-sec"
+    if device.type != "cuda":
+        return None
+    gpu = detect_gpu_key(torch.cuda.get_device_name(device))
+    row = expected_tokens_per_sec(gpu, cfg.model) if gpu is not None else None
+    if row is None:
+        return None
+    return row.tokens_per_sec * world_size, f"plan's figure for {world_size}x {gpu} ({row.source})"
 
 
 @torch.no_grad()
@@ -489,6 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--max-price-usd-per-hr", type=float, help="refuse to launch above this price (1.40)")
     budget.add_argument("--planned-rate-usd-per-hr", type=float, help="planned price: the pre-launch sentence; 1.2x over it warns")
     budget.add_argument("--planned-hours", type=float, help="planned hours for the pre-launch sentence")
+    budget.add_argument("--expected-tokens-per-sec", type=float, metavar="N",
+                        help="tokens/s this run expects (all GPUs): the figure given to `plan --tokens-per-sec`. "
+                        "Default: plan's figure for the GPU found; none on a CPU. The launch check and the default "
+                        "throughput floor use it")
     budget.add_argument("--dry-run-budget", action="store_true", help="walk simulated readings through every rule, print, exit 0")
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (9791; 0 disables)")
@@ -728,6 +804,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     from x1_pretrain import data as data_mod
     from x1_pretrain.budget_guard import BudgetGuard
 
+    started = time.monotonic()  # the start-up a restart costs is measured from here (budget_guard.Pace)
     d = D.init(cfg.train.device)
     if not d.is_main:  # one voice: rank 0 logs, the others speak only of problems
         logging.getLogger().setLevel(logging.WARNING)
@@ -755,13 +832,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     tokens = data_mod.open_token_data(cfg.data.dir, cfg.model.vocab_size)
     val = data_mod.val_windows(tokens.val, cfg.model.seq_len, cfg.train.eval_windows, cfg.train.seed)
 
-    # Budget before anything expensive: a refused launch costs nothing.
     guard = BudgetGuard.from_config(cfg.budget) if d.is_main else BudgetGuard.from_config(cfg.budget.model_copy(update={"cap_usd": None}))
-    pre = guard.prelaunch()
-    code = D.agree(d, pre.exit_code or 0)
-    if code:
-        log.error("launch refused: %s", pre.reason if pre.exit_code else "rank 0 refused the launch")
-        return code
 
     checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.model)
     loaded = resume_point(args, cfg, checkpointer, d)
@@ -779,6 +850,24 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     state.world_size = d.world_size
     if state.step >= cfg.train.total_steps and loaded is None:
         raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
+
+    # Budget before anything expensive (no model yet): a refused launch costs nothing. With the
+    # step known, the guard also judges whether the steps left can finish under the cap at the
+    # plan's throughput for this GPU (on a CPU there is none: the first steady interval decides).
+    expected = expected_throughput(cfg, d.device, d.world_size)
+    pace = Pace(total_steps=cfg.train.total_steps, tokens_per_step=cfg.train.tokens_per_step,
+                eval_every=cfg.train.eval_every, ckpt_every=cfg.checkpoint.every,
+                eval_tokens=cfg.train.eval_windows * cfg.model.seq_len, start_step=state.step, restarts=state.restarts,
+                expected_tokens_per_sec=expected[0] if expected else None,
+                expected_source=expected[1] if expected else "", started=started)
+    pre = guard.prelaunch(pace)
+    code = D.agree(d, pre.exit_code or 0)
+    if code:
+        log.error("launch refused: %s", pre.reason if pre.exit_code else "rank 0 refused the launch")
+        return code
+    floor, floor_source = throughput_floor(cfg, expected)
+    log.info("throughput floor: %s", f"{floor:.0f} tokens/s ({floor_source}), judged on steady intervals of the "
+             "first hour" if floor else floor_source)
 
     raw = Transformer(cfg.model)
     if loaded is not None:
@@ -838,12 +927,12 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         detector=detector, injector=injector, state=state, grad_accum=grad_accum,
         autocast=autocast_factory(cfg, d.device), flops_per_token=flops_per_token(cfg.model),
         peak_tflops=info.get("peak_bf16_tflops", 0.0) if gpu_key != "cpu" else 0.0,
-        measured_peak_tflops=args.measured_peak_tflops,
+        measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
     if loaded is not None:
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
     warm_up(run, compile_choice(cfg, Path(cfg.checkpoint.dir), previous_heartbeat), Path(cfg.checkpoint.dir))
-    run.throughput = Throughput()
+    run.throughput = Throughput("resume" if loaded is not None else "start")
     run.compiles = CompileWatch()
     sink.heartbeat.beat(state.step, "training")
     return run
