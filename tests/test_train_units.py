@@ -42,7 +42,8 @@ def compiled_runs(tmp_path, tiny_data, key: str, values: tuple[str, str]) -> lis
         ckpt = tmp_path / value
         ckpt.mkdir()
         proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
-                          "--set", "train.compile=true", "--set", f"train.{key}={value}")
+                          "--set", "optim.warmup_steps=2", "--set", "train.compile=true",
+                          "--set", f"train.{key}={value}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         out.append((proc.stderr, ckpt / "final.safetensors"))
     return out
