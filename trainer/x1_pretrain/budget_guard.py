@@ -219,22 +219,24 @@ class BudgetGuard:
             return str(e)
         prev = self.last_reading
         written = reading.last_update_utc.timestamp()
-        if written <= now + CLOCK_SKEW_S:
+        same = prev is not None and self._origin is not None and prev.last_update_utc == reading.last_update_utc \
+            and prev.spent_usd == reading.spent_usd and prev.rate_usd_per_hr == reading.rate_usd_per_hr
+        if same and self._origin is not None and prev is not None:
+            # The reading we already had: its age runs on from the same origin, and one that was
+            # dated in the future stays suspect after our clock has caught up with its date.
+            origin = min(self._origin, written)
+            reading = dataclasses.replace(reading, stale=reading.stale or prev.stale)
+        elif written <= now + CLOCK_SKEW_S:
             origin = written
         else:
-            same = prev is not None and prev.last_update_utc == reading.last_update_utc and \
-                prev.spent_usd == reading.spent_usd and self._origin is not None
-            if same:
-                origin = self._origin
-            else:
-                origin = now if previous_read is None else previous_read
-                if not self.cfg.curr_cost_uri.startswith(("http://", "https://")):
-                    with contextlib.suppress(OSError):
-                        origin = min(origin, Path(self.cfg.curr_cost_uri).stat().st_mtime)
-                self.log.warning(
-                    "budget reading from %s is dated %.1f h in the future (%s): not trusted as fresh; its age is "
-                    "counted from %s and it is treated as stale", self.cfg.curr_cost_uri, (written - now) / 3600.0,
-                    reading.last_update_utc.isoformat(), datetime.fromtimestamp(origin, timezone.utc).isoformat())
+            origin = now if previous_read is None else previous_read
+            if not self.cfg.curr_cost_uri.startswith(("http://", "https://")):
+                with contextlib.suppress(OSError):
+                    origin = min(origin, Path(self.cfg.curr_cost_uri).stat().st_mtime)
+            self.log.warning(
+                "budget reading from %s is dated %.1f h in the future (%s): not trusted as fresh; its age is "
+                "counted from %s and it is treated as stale", self.cfg.curr_cost_uri, (written - now) / 3600.0,
+                reading.last_update_utc.isoformat(), datetime.fromtimestamp(origin, timezone.utc).isoformat())
             reading = dataclasses.replace(reading, stale=True)
         self._rate_floor = prev.rate_usd_per_hr if prev is not None else 0.0
         if reading.rate_usd_per_hr < self._rate_floor:

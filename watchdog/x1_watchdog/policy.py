@@ -79,7 +79,9 @@ class StallDetector:
 
     def beat_time(self, beat: Heartbeat, now: float) -> float:
         """When `beat` counts as written: its own time, or for a beat dated past `now` (beyond the
-        clock skew), the time this watchdog first saw that very beat."""
+        clock skew) when first seen, the time this watchdog first saw that very beat."""
+        if beat == self._future_beat:  # seen in the future once: aged from then, even after the clock catches up
+            return self._future_seen_at
         if beat.time <= now + CLOCK_SKEW_S:
             return beat.time
         if beat != self._future_beat:
@@ -100,7 +102,7 @@ class StallDetector:
             return f"no heartbeat in {self.heartbeat_file} within the {self.startup_grace_seconds:g} s startup grace"
         age = now - self.beat_time(beat, now)
         if age > self.stall_seconds:
-            future = " (dated in the future: aged from when it was first seen)" if beat.time > now + CLOCK_SKEW_S else ""
+            future = " (dated in the future: aged from when it was first seen)" if beat == self._future_beat else ""
             return (
                 f"last heartbeat {age:.0f} s ago{future} (step {beat.step}, phase {beat.phase}), "
                 f"over the {self.stall_seconds:g} s stall limit"
