@@ -127,14 +127,15 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_json_strict(text: str | bytes, what: str = "JSON") -> Any:
-    """JSON with no NaN / Infinity, no number that overflows to inf, no duplicated key.
-    UnreadableFileError (a ValueError) naming `what` otherwise."""
+def parse_json_strict(text: str | bytes, what: str = "JSON", finite: bool = True) -> Any:
+    """JSON with no duplicated key and (unless `finite` is False, for a reader that repairs such
+    values itself) no NaN / Infinity nor a number that overflows to inf. UnreadableFileError (a
+    ValueError) naming `what` otherwise."""
+    numbers: dict[str, Any] = {"parse_float": _finite_float, "parse_constant": _no_constant} if finite else {}
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_finite_float,
-                          parse_constant=_no_constant)
+        return json.loads(text, object_pairs_hook=_no_duplicates, **numbers)
     except UnicodeDecodeError as e:
         raise UnreadableFileError(f"{what}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
     except json.JSONDecodeError as e:
@@ -185,10 +186,10 @@ def _file_kind(mode: int) -> str:
     return "not a plain file"
 
 
-def read_json_file(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_FILE_BYTES) -> Any:
+def read_json_file(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_FILE_BYTES, finite: bool = True) -> Any:
     """The JSON value in `path`: FileNotFoundError when missing, UnreadableFileError for anything
     else that is wrong (see read_file_bytes, parse_json_strict). Never another exception."""
-    return parse_json_strict(read_file_bytes(path, max_bytes), what=str(path))
+    return parse_json_strict(read_file_bytes(path, max_bytes), what=str(path), finite=finite)
 
 
 def finite_number(value: Any) -> float | None:
@@ -309,7 +310,9 @@ def read_budget_file(path: str | os.PathLike[str]) -> BudgetReading:
     """budget.json as a reading. FileNotFoundError when missing; BudgetFormatError (a ValueError)
     naming the file for anything else wrong with it."""
     try:
-        data = read_json_file(path)
+        # Non-finite numbers parse: from_dict refuses them in the contract's fields, and an
+        # informative field must not make the whole reading unreadable.
+        data = read_json_file(path, finite=False)
     except UnreadableFileError as e:
         raise BudgetFormatError(str(e)) from None
     try:

@@ -313,8 +313,14 @@ def _ledger_problems(data: Any, now: float | None) -> list[str]:
 
 
 def _carried_spend(data: Any) -> tuple[float, float]:
-    """(spent, hours) a damaged ledger still shows, where those two fields are usable."""
+    """(spent, hours) a damaged ledger still shows: the largest usable figure of each."""
     if not isinstance(data, dict):
         return 0.0, 0.0
-    values = [finite_number(data.get(k)) for k in ("spent_usd", "hours_elapsed")]
-    return tuple(v if v is not None and v >= 0 else 0.0 for v in values)  # type: ignore[return-value]
+
+    def usable(key: str) -> float:
+        x = finite_number(data.get(key))
+        return x if x is not None and x >= 0 else 0.0
+
+    spent = max(usable("spent_usd"), usable("finished_runs_usd") + usable("run_usd"))
+    hours = max(usable("hours_elapsed"), usable("finished_runs_hours") + usable("run_hours"))
+    return spent, hours

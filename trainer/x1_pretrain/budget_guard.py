@@ -87,9 +87,10 @@ def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReadin
     try:
         if uri.startswith(("http://", "https://")):
             with urllib.request.urlopen(uri, timeout=timeout) as resp:
-                data = parse_json_strict(resp.read(MAX_JSON_FILE_BYTES + 1), what=uri)
+                data = parse_json_strict(resp.read(MAX_JSON_FILE_BYTES + 1), what=uri, finite=False)
         else:
-            data = read_json_file(uri)
+            # Non-finite numbers parse: from_dict refuses them where money is (the contract's keys).
+            data = read_json_file(uri, finite=False)
         reading = BudgetReading.from_dict(data)
     except urllib.error.HTTPError as e:
         raise ReadError(f"{uri}: HTTP {e.code}") from None
@@ -227,7 +228,7 @@ class BudgetGuard:
             origin = min(self._origin, written)
             reading = dataclasses.replace(reading, stale=reading.stale or prev.stale)
         elif written <= now + CLOCK_SKEW_S:
-            origin = written
+            origin = min(written, now)  # a date a little ahead (two clocks) is "now", never later
         else:
             origin = now if previous_read is None else previous_read
             if not self.cfg.curr_cost_uri.startswith(("http://", "https://")):

@@ -125,7 +125,8 @@ class StateStore:
 
     def _load(self) -> dict[str, Any]:
         try:
-            data = read_json_file(self.path)
+            # NaN / Infinity parse (as Python writes them): _repair drops them where they are.
+            data = read_json_file(self.path, finite=False)
         except FileNotFoundError:
             return self._empty()
         except ValueError as e:
