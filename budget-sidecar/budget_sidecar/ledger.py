@@ -81,7 +81,7 @@ class Ledger:
         budget.json published)."""
         fresh = cls(provider=provider, instance_id=instance_id)
         try:
-            data = read_json_file(path)
+            data = read_json_file(path, finite=False)  # a non-finite field is named below, the others kept
         except FileNotFoundError:
             return fresh
         except ValueError as e:
