@@ -474,3 +474,22 @@ def test_a_sidecar_restarted_on_a_damaged_ledger_keeps_what_budget_json_publishe
     clock[0] += 60
     second.poll_once()
     assert second.snapshot().document["spent_usd"] >= published == pytest.approx(2.0)
+
+
+# ---- the trainer's own leftovers of an earlier start ------------------------------------------------------
+
+@FAST
+@given(data=st.one_of(nasty_bytes, json_values.map(dump)))
+def test_the_files_an_earlier_trainer_left_are_read_or_ignored_never_a_crash(tmp_path: Path, data: bytes) -> None:
+    from conftest import TINY_CONFIG
+    from x1_pretrain.config import load_config
+    from x1_pretrain.train import compile_choice, earlier_start
+
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir(exist_ok=True)
+    cfg = load_config(TINY_CONFIG, ["train.compile=true"], {"checkpoint.dir": str(ckpt)})
+    (ckpt / "mlflow-run.json").write_bytes(data)
+    (ckpt / "compile-deaths.json").write_bytes(data)
+    earlier = earlier_start(cfg)
+    assert earlier == {} or isinstance(earlier.get("run_id"), str)
+    assert compile_choice(cfg, ckpt, None) in ("default", None)

@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--eval-every", type=int, help="steps between val evals")
     seed.add_argument("--log-every", type=int, help="steps between metric logs")
     seed.add_argument("--resume-from-latest", action="store_true",
-                      help="continue from the newest complete, verified checkpoint (none: start fresh)")
+                      help="continue from the newest complete, verified checkpoint (no step folder: start fresh; "
+                      "step folders of which none verifies: exit 2 naming each, nothing touched)")
     seed.add_argument("--inject-spike-at-step", type=int, metavar="N",
                       help="replace the batches of steps N..N+4 with rare-token sequences (skipped after a natural spike)")
     budget = p.add_argument_group("budget guard (on only with --budget-cap-usd)")
@@ -642,9 +643,14 @@ def earlier_start(cfg: RunConfig) -> dict[str, Any]:
 
     try:
         saved = json.loads((Path(cfg.checkpoint.dir) / "mlflow-run.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
-    return saved if isinstance(saved, dict) and saved.get("config_hash") == cfg.config_hash() else {}
+    if not isinstance(saved, dict) or saved.get("config_hash") != cfg.config_hash():
+        return {}
+    started = saved.get("started")
+    ok = isinstance(saved.get("run_id"), str) and (started is None or (
+        isinstance(started, (int, float)) and not isinstance(started, bool) and math.isfinite(started)))
+    return saved if ok else {}
 
 
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str):
@@ -687,7 +693,11 @@ def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str |
     if marker.is_file():
         import json
 
-        deaths = int(json.loads(marker.read_text()).get("deaths", 0))
+        try:
+            saved = json.loads(marker.read_text()).get("deaths", 0)
+            deaths = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else 0
+        except (OSError, ValueError, AttributeError, RecursionError):
+            deaths = 0  # a damaged marker: counted again from here
     if previous_heartbeat is not None and previous_heartbeat.phase == "compiling" and previous_heartbeat.pid != os.getpid():
         deaths += 1
         write_json_atomic(marker, {"deaths": deaths})

@@ -100,7 +100,8 @@ def resolve_weights_path(path: str | os.PathLike[str]) -> Path:
     newest checkpoint that verifies).
 
     A step folder is used only when it verifies (its completion marker's hashes match), so a
-    reader never builds a model from a torn save. The `latest` pointer is a hint only: when it
+    reader never builds a model from a torn save (a folder named explicitly that holds a
+    model.safetensors and no marker at all is taken as it is, with a warning). The `latest` pointer is a hint only: when it
     is unreadable, names no step folder or names one that does not verify, the newest folder
     that verifies is taken, with a warning naming what was skipped. ConfigError when the path
     holds nothing usable, naming what was found wrong; FileNotFoundError when it does not exist."""
@@ -110,14 +111,17 @@ def resolve_weights_path(path: str | os.PathLike[str]) -> Path:
     if p.is_file():
         return p
     if not p.exists():
-        raise FileNotFoundError(f"{p}: no such file or folder")
+        raise FileNotFoundError(f"{p}: no weights file (no such file or folder)")
     if not p.is_dir():
         raise ConfigError(f"{p}: not a weights file nor a folder")
     ckpt = Checkpointer(p.parent if STEP_DIR.match(p.name) or (p / MARKER).exists() else p, 1, ModelConfig())
-    if (p / MODEL_FILE).exists() or (p / MARKER).exists():  # a step folder
+    if (p / MARKER).exists() or (p / MARKER).is_symlink():  # a step folder as the trainer writes it
         problem = ckpt.verify(p)
         if problem is not None:
             raise ConfigError(f"{p}: checkpoint does not verify: {problem}")
+        return p / MODEL_FILE
+    if (p / MODEL_FILE).is_file():  # a folder someone assembled: theirs to vouch for
+        log.warning("%s has no %s: its %s is used unverified", p, MARKER, MODEL_FILE)
         return p / MODEL_FILE
     if (p / "final.safetensors").is_file():
         return p / "final.safetensors"
