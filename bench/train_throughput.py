@@ -179,7 +179,8 @@ def main() -> int:
             "--mlflow-uri", f"file://{work}/mlruns", "--total-steps", str(total), "--log-every", "10",
             "--eval-every", "1000000", "--ckpt-every", "1000000", "--metrics-port", "0",
             "--heartbeat-file", str(work / "heartbeat.json"), "--budget-cap-usd", "35",
-            "--budget-curr-cost-uri", str(budget), "--max-price-usd-per-hr", "10"]
+            "--budget-curr-cost-uri", str(budget), "--max-price-usd-per-hr", "10",
+            "--set", f"optim.warmup_steps={min(1000, total)}"]  # a timing run may be shorter than the warmup
     for s in args.set:
         argv += ["--set", s]
     targs = T.build_parser().parse_args(argv)

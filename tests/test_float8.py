@@ -99,7 +99,7 @@ def test_a_trainer_without_torchao_refuses_float8_with_exit_2_and_writes_nothing
     ckpt = tmp_path / "ckpt"
     env = cli_env(PYTHONPATH=f"{hidden}:{cli_env().get('PYTHONPATH', '')}")
     proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{tmp_path}/mlruns", total=4),
-                      "--set", "train.float8=tensorwise", env=env)
+                      "--set", "optim.warmup_steps=2", "--set", "train.float8=tensorwise", env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "train.float8=tensorwise" in proc.stderr and "pip install torchao" in proc.stderr
     assert not ckpt.exists() and not (tmp_path / "mlruns").exists()

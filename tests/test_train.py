@@ -169,7 +169,8 @@ def test_a_busy_metrics_port_is_a_warning_not_a_failure(tmp_path, tiny_data):
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        args = train_args(tiny_data, tmp_path / "ckpt", f"file://{tmp_path}/mlruns", total=3)
+        args = train_args(tiny_data, tmp_path / "ckpt", f"file://{tmp_path}/mlruns",
+                          "--set", "optim.warmup_steps=2", total=3)
         args[args.index("--metrics-port") + 1] = str(port)
         proc = run_module("x1_pretrain.train", *args)
     assert proc.returncode == 0, proc.stderr[-2000:]

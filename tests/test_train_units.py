@@ -46,7 +46,8 @@ def compiled_runs(tmp_path, tiny_data, key: str, values: tuple[str, str]) -> lis
         ckpt = tmp_path / value
         ckpt.mkdir()
         proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
-                          "--set", "train.compile=true", "--set", f"train.{key}={value}", "--inject-spike-at-step", "1")
+                          "--set", "optim.warmup_steps=2", "--set", "train.compile=true",
+                          "--set", f"train.{key}={value}", "--inject-spike-at-step", "1")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "after the warm-up" not in proc.stderr, proc.stderr[-3000:]
         out.append((proc.stderr, ckpt / "final.safetensors"))

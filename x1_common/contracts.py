@@ -11,10 +11,10 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from enum import IntEnum
-from pathlib import Path
 from typing import Any
 
 # --------------------------------------------------------------------------------------------
@@ -92,6 +92,117 @@ class BudgetFormatError(ValueError):
     """A budget reading that cannot be trusted; the message names the key."""
 
 
+# --------------------------------------------------------------------------------------------
+# Reading a file another process writes (budget.json, the heartbeat, the watchdog's state, a
+# checkpoint's markers, meta.json). Such a file can be torn, truncated, replaced by garbage or by
+# something that is not a file at all; a reader must never crash on it nor hang on it.
+
+MAX_JSON_FILE_BYTES = 64 << 20  # far over any file we write; a bigger one is not ours
+CLOCK_SKEW_S = 120.0  # a time this far ahead of our clock is still "now" (two clocks of one host, rounding)
+
+
+class UnreadableFileError(ValueError):
+    """A file that exists but cannot be used: not a regular file, too big, not UTF-8, not JSON, a
+    duplicated key or a non-finite number. The message names the file and the problem."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            # Our writers never repeat a key; json.loads would silently keep the last one.
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):  # 1e999 parses to inf
+        raise ValueError(f"number {text} is out of range")
+    return x
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_strict(text: str | bytes, what: str = "JSON", finite: bool = True) -> Any:
+    """JSON with no duplicated key and (unless `finite` is False, for a reader that repairs such
+    values itself) no NaN / Infinity nor a number that overflows to inf. UnreadableFileError (a
+    ValueError) naming `what` otherwise."""
+    numbers: dict[str, Any] = {"parse_float": _finite_float, "parse_constant": _no_constant} if finite else {}
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicates, **numbers)
+    except UnicodeDecodeError as e:
+        raise UnreadableFileError(f"{what}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UnreadableFileError(f"{what}: not JSON ({e})") from None
+    except RecursionError:
+        raise UnreadableFileError(f"{what}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise UnreadableFileError(f"{what}: {e}") from None
+
+
+def read_file_bytes(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_FILE_BYTES) -> bytes:
+    """The bytes of a regular file. FileNotFoundError when it is missing; UnreadableFileError for a
+    folder, a FIFO, a socket or a device (opened without blocking, so a FIFO never hangs us), a
+    file over `max_bytes`, or any other OS error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise UnreadableFileError(f"{path}: cannot open it ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableFileError(f"{path}: not a regular file ({_file_kind(st.st_mode)})")
+        if st.st_size > max_bytes:
+            raise UnreadableFileError(f"{path}: {st.st_size} bytes, more than the {max_bytes} a file of ours holds")
+        chunks, total = [], 0
+        while True:
+            block = os.read(fd, 1 << 20)
+            if not block:
+                break
+            total += len(block)
+            if total > max_bytes:
+                raise UnreadableFileError(f"{path}: grew past {max_bytes} bytes while being read")
+            chunks.append(block)
+        return b"".join(chunks)
+    except OSError as e:
+        raise UnreadableFileError(f"{path}: cannot read it ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, word in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return word
+    return "not a plain file"
+
+
+def read_json_file(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_FILE_BYTES, finite: bool = True) -> Any:
+    """The JSON value in `path`: FileNotFoundError when missing, UnreadableFileError for anything
+    else that is wrong (see read_file_bytes, parse_json_strict). Never another exception."""
+    return parse_json_strict(read_file_bytes(path, max_bytes), what=str(path), finite=finite)
+
+
+def finite_number(value: Any) -> float | None:
+    """A finite float from a JSON number (not a bool, not a string), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return x if math.isfinite(x) else None
+
+
 def utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -101,10 +212,18 @@ def format_utc(t: datetime) -> str:
 
 
 def parse_utc(text: str) -> datetime:
-    t = datetime.fromisoformat(text.replace("Z", "+00:00"))  # 3.10's fromisoformat lacks "Z"
-    if t.tzinfo is None:
-        raise ValueError(f"timestamp {text!r} has no timezone")
-    return t.astimezone(timezone.utc)
+    """An ISO-8601 time with a timezone, in UTC. ValueError (naming the text) for anything else."""
+    if not isinstance(text, str):
+        raise ValueError(f"timestamp {text!r} is not a string")
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))  # 3.10's fromisoformat lacks "Z"
+        if t.tzinfo is None:
+            raise ValueError(f"timestamp {text!r} has no timezone")
+        t = t.astimezone(timezone.utc)
+        t.timestamp()  # years 1 and 9999 with an offset overflow here, not later in a reader
+    except (OverflowError, OSError) as e:
+        raise ValueError(f"timestamp {text!r} is out of range ({e})") from None
+    return t
 
 
 @dataclass(frozen=True)
@@ -122,6 +241,9 @@ class BudgetReading:
 
     @classmethod
     def from_dict(cls, data: Any) -> BudgetReading:
+        """A reading from budget.json's document. Only the seed's five keys decide money; of the
+        informative ones, a `stale` that is anything but false (or absent) counts as stale, and a
+        value of the wrong type is dropped, never guessed."""
         if not isinstance(data, dict):
             raise BudgetFormatError(f"budget reading must be a JSON object, got {type(data).__name__}")
         missing = [k for k in BUDGET_REQUIRED_KEYS if k not in data]
@@ -132,22 +254,28 @@ class BudgetReading:
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise BudgetFormatError(f"budget reading: {key} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0:
+            x = finite_number(value)
+            if x is None or x < 0:
                 raise BudgetFormatError(f"budget reading: {key} must be finite and >= 0, got {value!r}")
-            numbers[key] = float(value)
+            numbers[key] = x
         try:
-            updated = parse_utc(str(data["last_update_utc"]))
+            updated = parse_utc(data["last_update_utc"])
         except ValueError as e:
             raise BudgetFormatError(f"budget reading: last_update_utc is not an ISO-8601 UTC time: {e}") from e
-        cap = data.get("cap_usd")
+        cap = finite_number(data.get("cap_usd"))
+
+        def text(key: str) -> str | None:
+            v = data.get(key)
+            return v if isinstance(v, str) else None
+
         return cls(
             **numbers,
             last_update_utc=updated,
-            cap_usd=float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else None,
-            provider=data.get("provider"),
-            instance_id=data.get("instance_id"),
-            source=data.get("source"),
-            stale=bool(data.get("stale", False)),
+            cap_usd=cap if cap is not None and cap > 0 else None,
+            provider=text("provider"),
+            instance_id=text("instance_id"),
+            source=text("source"),
+            stale=data.get("stale") not in (False, None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,7 +284,13 @@ class BudgetReading:
         return d
 
     def age_seconds(self, now: datetime | None = None) -> float:
-        return max(0.0, ((now or utc_now()) - self.last_update_utc).total_seconds())
+        """Seconds since the reading. A reading dated ahead of `now` by more than the clock skew
+        has no trustworthy age: ValueError, so that no caller extrapolates it as fresh (the
+        budget guard counts such a reading's age from when it first saw it)."""
+        age = ((now or utc_now()) - self.last_update_utc).total_seconds()
+        if age < -CLOCK_SKEW_S:
+            raise ValueError(f"budget reading dated {-age:.0f} s in the future ({format_utc(self.last_update_utc)})")
+        return max(0.0, age)
 
     def extrapolated_spent_usd(self, now: datetime | None = None) -> float:
         """What has been spent by `now` if the meter kept running at the last known rate.
@@ -173,12 +307,18 @@ class BudgetReading:
 
 
 def read_budget_file(path: str | os.PathLike[str]) -> BudgetReading:
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise BudgetFormatError(f"{path}: not JSON ({e})") from e
-    return BudgetReading.from_dict(data)
+    """budget.json as a reading. FileNotFoundError when missing; BudgetFormatError (a ValueError)
+    naming the file for anything else wrong with it."""
+    try:
+        # Non-finite numbers parse: from_dict refuses them in the contract's fields, and an
+        # informative field must not make the whole reading unreadable.
+        data = read_json_file(path, finite=False)
+    except UnreadableFileError as e:
+        raise BudgetFormatError(str(e)) from None
+    try:
+        return BudgetReading.from_dict(data)
+    except BudgetFormatError as e:
+        raise BudgetFormatError(f"{path}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,12 +336,23 @@ class Heartbeat:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Heartbeat | None:
-        """The last heartbeat, or None when there is none (or it is unreadable)."""
+        """The last heartbeat, or None when there is none or it is unusable: unreadable, not an
+        object, a field missing or of the wrong type, a time that is not a finite number. A time
+        in the future is returned as it is: the watchdog decides what such a beat is worth."""
         try:
-            d = json.loads(Path(path).read_text(encoding="utf-8"))
-            return cls(step=int(d["step"]), time=float(d["time"]), pid=int(d["pid"]), phase=str(d["phase"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            d = read_json_file(path, max_bytes=1 << 20)
+        except (OSError, ValueError):
             return None
+        if not isinstance(d, dict):
+            return None
+        step, pid, when, phase = d.get("step"), d.get("pid"), finite_number(d.get("time")), d.get("phase")
+        if not (_plain_int(step) and _plain_int(pid) and when is not None and isinstance(phase, str)):
+            return None
+        return cls(step=step, time=when, pid=pid, phase=phase)
+
+
+def _plain_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,6 +119,11 @@ def _number(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _text(value: Any) -> str | None:
+    """A non-empty string, or None (a name of another type is not guessed at)."""
+    return value if isinstance(value, str) and value else None
+
+
 class _HttpClient:
     """Bounded retries with backoff, a minimum spacing between requests, and key-free errors."""
 
@@ -297,15 +302,19 @@ def parse_lambda_instance(d: Any) -> Instance:
     it = d.get("instance_type") if isinstance(d.get("instance_type"), dict) else {}
     cents = _number(it.get("price_cents_per_hour"))
     region = d.get("region")
-    raw_status = str(d["status"])
+    # A status we do not know (or not a string at all) is "unknown", which counts as billing:
+    # only a state the provider names as stopped may stop the meter.
+    raw_status = d["status"] if isinstance(d["status"], str) else repr(d["status"])[:80]
     return Instance(
         id=str(d["id"]),
         status=_LAMBDA_STATUS.get(raw_status, "unknown"),
         raw_status=raw_status,
+        # The price as reported (None when missing or not a finite number); whether it can be
+        # trusted (zero, negative, a drop) is the ledger's call, which knows the earlier prices.
         price_usd_per_hr=None if cents is None else cents / 100.0,
         uptime_seconds=None,  # Lambda reports no launch time nor uptime
-        instance_type=it.get("name"),
-        region=region.get("name") if isinstance(region, dict) else region,
+        instance_type=_text(it.get("name")),
+        region=_text(region.get("name")) if isinstance(region, dict) else _text(region),
         raw=d,
     )
 
@@ -407,9 +416,11 @@ def _graphql_errors(data: Any) -> str:
 def parse_runpod_pod(d: Any) -> Instance:
     if not isinstance(d, dict) or "id" not in d:
         raise ProviderError("runpod: pod record lacks id", kind="garbage")
-    raw_status = str(d.get("desiredStatus") or "")
+    raw_status = d.get("desiredStatus") if isinstance(d.get("desiredStatus"), str) else ""
     runtime = d.get("runtime") if isinstance(d.get("runtime"), dict) else None
     uptime = _number(runtime.get("uptimeInSeconds")) if runtime else None
+    if uptime is not None and uptime < 0:
+        uptime = None  # not an uptime: the ledger then bills on its own clock
     if raw_status == "RUNNING":
         # desiredStatus says what RunPod aims for; no runtime yet means the container is starting.
         status = "running" if runtime else "booting"
@@ -417,7 +428,7 @@ def parse_runpod_pod(d: Any) -> Instance:
         # RunPod documents no "preempted" state: an interrupted spot pod shows EXITED, and the
         # reason is only in lastStatusChange ("... interrupted ..."); a pod stopped by its owner
         # shows EXITED too.
-        reason = str(d.get("lastStatusChange") or "").lower()
+        reason = (_text(d.get("lastStatusChange")) or "").lower()
         status = "preempted" if ("interrupt" in reason or "preempt" in reason or "spot" in reason) else "stopped"
     elif raw_status in ("TERMINATED", "DEAD"):
         status = "terminated"
@@ -432,7 +443,7 @@ def parse_runpod_pod(d: Any) -> Instance:
         raw_status=raw_status,
         price_usd_per_hr=_number(d.get("costPerHr")),
         uptime_seconds=uptime,
-        instance_type=machine.get("gpuDisplayName") or d.get("gpuTypeId"),
+        instance_type=_text(machine.get("gpuDisplayName")) or _text(d.get("gpuTypeId")),
         region=None,
         raw=d,
     )

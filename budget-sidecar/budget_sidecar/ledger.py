@@ -10,14 +10,24 @@ where it cannot:
 - static (on-prem): a fixed rate on the sidecar's own clock.
 
 A failed poll never lowers the spend: it keeps growing at the last known rate and, after
-`stale_after_failures` failures in a row, the reading says `stale`. The ledger is persisted next
+`stale_after_failures` failures in a row, the reading says `stale`.
+
+A price is the provider's word, and a wrong one must never make spend look lower. A price that is
+missing, not a finite number, zero or negative, or lower than the last trusted price while the
+provider reports no change of instance type, is suspect: the ledger counts at the last trusted
+price (the larger of the two), says why in `rate_note`, and the reading is marked `stale`, which
+makes the trainer's guard raise its stale-data alert. It stays so until the provider reports a
+price at or above the trusted one, or another instance type. With no trusted price yet, a
+suspect one is a failed poll (no budget.json until a good price comes, so the trainer's
+pre-launch check refuses to start). A higher price is taken at once, with a warning; the guard
+alerts when it is over 1.2x the plan. The static provider's rate is the operator's setting and
+is taken as it is. The ledger is persisted next
 to budget.json after every poll, so a restarted sidecar carries on from where it was, and charges
 the time it was down at the last known rate.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass, fields
@@ -25,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from x1_common.contracts import BudgetReading, format_utc
+from x1_common.contracts import CLOCK_SKEW_S, BudgetReading, finite_number, format_utc, read_json_file
 from x1_common.fsutil import write_json_atomic
 from x1_common.providers import BILLING_STATUSES, Instance
 
@@ -56,24 +66,41 @@ class Ledger:
     run_usd: float = 0.0  # current run as RunPod reports it
     run_hours: float = 0.0
     last_uptime_s: float = 0.0
+    trusted_rate_usd_per_hr: float | None = None  # the last price not found suspect
+    rate_note: str | None = None  # why the price counted now is not the provider's (None: it is)
 
     # --- persistence ------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: Path, provider: str, instance_id: str) -> Ledger:
+    def load(cls, path: Path, provider: str, instance_id: str, now: float | None = None) -> Ledger:
         """The persisted ledger, or a fresh one. A ledger of another instance of the same run (a
-        relaunch gives a new id) keeps its spend: the budget is for the run, not the instance."""
+        relaunch gives a new id) keeps its spend: the budget is for the run, not the instance.
+
+        The file is the previous sidecar's: a damaged one (not JSON, a field of the wrong type or
+        not a finite number, a time ahead of `now`) is not trusted as a whole, but the spend it
+        still shows is carried over (spend never goes down; the poller also carries over what
+        budget.json published)."""
         fresh = cls(provider=provider, instance_id=instance_id)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            known = {f.name for f in fields(cls)}
-            old = cls(**{k: v for k, v in data.items() if k in known})
+            data = read_json_file(path, finite=False)  # a non-finite field is named below, the others kept
         except FileNotFoundError:
             return fresh
-        except (OSError, ValueError, TypeError) as e:
+        except ValueError as e:
             # Refusing to start would stop budget.json altogether; starting from zero would hide spend.
-            # Keep going, loudly: the trainer's own extrapolation of the last budget.json still holds.
-            log.error("cannot read the ledger %s (%s): starting a new one; spend before this is NOT counted", path, e)
+            # Keep going, loudly: budget.json's published spend is carried over by the poller.
+            log.error("cannot read the ledger %s (%s): starting a new one from what budget.json published", path, e)
             return fresh
+        problems = _ledger_problems(data, now)
+        if problems:
+            carried = _carried_spend(data)
+            log.error("the ledger %s is damaged (%s): starting a new one, carrying over $%.4f and %.3f h; "
+                      "budget.json's published spend is kept too", path, "; ".join(problems), *carried)
+            fresh.spent_usd = fresh.finished_runs_usd = carried[0]
+            fresh.hours_elapsed = fresh.finished_runs_hours = carried[1]
+            return fresh
+        known = {f.name for f in fields(cls)}
+        old = cls(**{k: v for k, v in data.items() if k in known})
+        if old.trusted_rate_usd_per_hr is None and old.rate_note is None and (old.rate_usd_per_hr or 0) > 0:
+            old.trusted_rate_usd_per_hr = old.rate_usd_per_hr  # a ledger written before prices were checked
         if old.provider != provider:
             log.warning("ledger %s is for provider %s, not %s: starting a new one", path, old.provider, provider)
             return fresh
@@ -87,7 +114,7 @@ class Ledger:
                 provider=provider, instance_id=instance_id, first_seen=old.first_seen, spent_usd=old.spent_usd,
                 hours_elapsed=old.hours_elapsed, rate_usd_per_hr=old.rate_usd_per_hr,
                 poll_failures_total=old.poll_failures_total, finished_runs_usd=old.spent_usd,
-                finished_runs_hours=old.hours_elapsed,
+                finished_runs_hours=old.hours_elapsed, trusted_rate_usd_per_hr=old.trusted_rate_usd_per_hr,
             )
         log.info("resuming the ledger %s: $%.4f spent over %.3f h", path, old.spent_usd, old.hours_elapsed)
         return old
@@ -97,19 +124,55 @@ class Ledger:
 
     # --- accounting -------------------------------------------------------------------------
     def _accrue(self, now: float, time_scale: float, rate: float | None, billing: bool) -> None:
-        """Charge the wall time since `accrued_until` at `rate`, on the (scaled) billed clock."""
+        """Charge the wall time since `accrued_until` at `rate`, on the (scaled) billed clock.
+
+        A clock that went back (or an `accrued_until` ahead of it) is re-based on `now`: the
+        time in between may be charged twice, never skipped."""
         if self.accrued_until is not None and rate is not None and billing:
             hours = max(0.0, now - self.accrued_until) * time_scale / 3600.0
             self.spent_usd += rate * hours
             self.hours_elapsed += hours
-        self.accrued_until = now if self.accrued_until is None else max(self.accrued_until, now)
+        self.accrued_until = now
+
+    def _price(self, inst: Instance | None, static_rate: float | None) -> float:
+        """The rate to count at for this poll, and the bookkeeping of the trusted price (see the
+        module docstring). ValueError when there is no price to count at all."""
+        if inst is None:  # static: the operator's setting
+            if static_rate is None or not math.isfinite(static_rate) or static_rate <= 0:
+                raise ValueError(f"the static rate {static_rate!r} is not a positive number")
+            self.trusted_rate_usd_per_hr, self.rate_note = static_rate, None
+            return static_rate
+        reported = inst.price_usd_per_hr
+        trusted = self.trusted_rate_usd_per_hr
+        new_type = bool(inst.instance_type and self.instance_type and inst.instance_type != self.instance_type)
+        if reported is None or not math.isfinite(reported):
+            problem = "no usable price"
+        elif reported <= 0:
+            problem = f"a price of ${reported:.4f}/h"
+        elif trusted is not None and reported < trusted and not new_type:
+            problem = (f"${reported:.4f}/h, lower than the last trusted ${trusted:.4f}/h with no change of "
+                       f"instance type ({self.instance_type or 'not reported'})")
+        else:
+            if trusted is not None and reported > trusted:
+                log.warning("the provider's price rose from $%.4f/h to $%.4f/h: counting at the new price now",
+                            trusted, reported)
+            elif trusted is not None and reported < trusted:
+                log.warning("instance type changed from %s to %s: its price $%.4f/h is taken",
+                            self.instance_type, inst.instance_type, reported)
+            self.trusted_rate_usd_per_hr, self.rate_note = reported, None
+            return reported
+        if trusted is None:
+            raise ValueError(f"the provider gave {problem} and no earlier price is known")
+        note = f"the provider reported {problem}: counting at the last trusted ${trusted:.4f}/h"
+        if note != self.rate_note:
+            log.error("suspect price: %s; budget.json says stale until a trustworthy price comes", note)
+        self.rate_note = note
+        return trusted
 
     def record_success(self, now: float, inst: Instance | None, *, time_scale: float, static_rate: float | None = None,
                        initial_hours: float = 0.0) -> None:
         """A poll that answered. `inst` None means the static provider (rate `static_rate`)."""
-        rate = static_rate if inst is None else inst.price_usd_per_hr
-        if rate is None or not math.isfinite(rate) or rate < 0:
-            raise ValueError("the provider gave no usable price")
+        rate = self._price(inst, static_rate)
         billing_now = True if inst is None else inst.status in BILLING_STATUSES
         if self.first_seen is None:
             self.first_seen = now
@@ -188,7 +251,7 @@ class Ledger:
             provider=self.provider,
             instance_id=self.instance_id or None,
             source=source,
-            stale=self.consecutive_failures >= stale_after_failures,
+            stale=self.consecutive_failures >= stale_after_failures or self.rate_note is not None,
         )
 
 
@@ -202,6 +265,62 @@ def reading_document(reading: BudgetReading, ledger: Ledger, time_scale: float) 
     doc["instance_status"] = ledger.instance_status
     doc["instance_type"] = ledger.instance_type
     doc["consecutive_failures"] = ledger.consecutive_failures
+    if ledger.rate_note:
+        doc["rate_note"] = ledger.rate_note  # why the rate counted is not the provider's last price
     if time_scale != 1.0:
         doc["time_scale"] = time_scale  # tests and demo: readers extrapolate age x time_scale
     return doc
+
+
+_LEDGER_TIMES = ("first_seen", "accrued_until", "last_success")
+_LEDGER_AMOUNTS = ("spent_usd", "hours_elapsed", "finished_runs_usd", "finished_runs_hours", "run_usd", "run_hours",
+                   "last_uptime_s")
+_LEDGER_RATES = ("rate_usd_per_hr", "trusted_rate_usd_per_hr")
+_LEDGER_COUNTS = ("consecutive_failures", "poll_failures_total")
+_LEDGER_TEXTS = ("instance_status", "instance_type", "last_error", "rate_note")
+
+
+def _ledger_problems(data: Any, now: float | None) -> list[str]:
+    """What is wrong with a persisted ledger, in words; [] when every field is usable."""
+    if not isinstance(data, dict):
+        return [f"not a JSON object but {type(data).__name__}"]
+    problems = []
+    for key in ("provider", "instance_id"):
+        if not isinstance(data.get(key), str):
+            problems.append(f"{key} is not a string")
+    for key in _LEDGER_AMOUNTS:
+        x = finite_number(data.get(key, 0.0))
+        if x is None or x < 0:
+            problems.append(f"{key} {data.get(key)!r} is not a finite number >= 0")
+    for key in _LEDGER_RATES + _LEDGER_TIMES:
+        if data.get(key) is None:
+            continue
+        x = finite_number(data[key])
+        if x is None or x < 0:
+            problems.append(f"{key} {data[key]!r} is not a finite number >= 0")
+        elif key in _LEDGER_TIMES and now is not None and x > now + CLOCK_SKEW_S:
+            problems.append(f"{key} {x:.0f} is {x - now:.0f} s in the future")
+    for key in _LEDGER_COUNTS:
+        v = data.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            problems.append(f"{key} {v!r} is not a count")
+    for key in _LEDGER_TEXTS:
+        if data.get(key) is not None and not isinstance(data[key], str):
+            problems.append(f"{key} is not a string")
+    if not isinstance(data.get("billing", True), bool):
+        problems.append("billing is not true or false")
+    return problems
+
+
+def _carried_spend(data: Any) -> tuple[float, float]:
+    """(spent, hours) a damaged ledger still shows: the largest usable figure of each."""
+    if not isinstance(data, dict):
+        return 0.0, 0.0
+
+    def usable(key: str) -> float:
+        x = finite_number(data.get(key))
+        return x if x is not None and x >= 0 else 0.0
+
+    spent = max(usable("spent_usd"), usable("finished_runs_usd") + usable("run_usd"))
+    hours = max(usable("hours_elapsed"), usable("finished_runs_hours") + usable("run_hours"))
+    return spent, hours

@@ -46,7 +46,7 @@ class Poller:
         self.client = client
         self.clock = clock
         self._lock = threading.Lock()
-        self.ledger = Ledger.load(settings.state_path, settings.provider, settings.instance_id)
+        self.ledger = Ledger.load(settings.state_path, settings.provider, settings.instance_id, now=clock())
         if self.ledger.first_seen is None:
             self._carry_over_published_spend()
         self.ledger.catch_up(clock(), settings.time_scale)
@@ -63,13 +63,13 @@ class Poller:
             prev = read_budget_file(self.settings.output)
         except (OSError, ValueError):
             return
-        if prev.provider not in (None, self.settings.provider) or prev.spent_usd <= 0:
-            return
-        log.warning("no ledger, but %s says $%.4f spent over %.3f h: carrying it over",
-                    self.settings.output, prev.spent_usd, prev.hours_elapsed)
         led = self.ledger
+        if prev.provider not in (None, self.settings.provider) or prev.spent_usd <= led.spent_usd:
+            return
+        log.warning("no usable ledger, but %s says $%.4f spent over %.3f h: carrying it over",
+                    self.settings.output, prev.spent_usd, prev.hours_elapsed)
         led.spent_usd = led.finished_runs_usd = prev.spent_usd
-        led.hours_elapsed = led.finished_runs_hours = prev.hours_elapsed
+        led.hours_elapsed = led.finished_runs_hours = max(led.hours_elapsed, prev.hours_elapsed)
 
     def snapshot(self) -> Snapshot:
         with self._lock:

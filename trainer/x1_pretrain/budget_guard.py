@@ -26,9 +26,9 @@ No torch here: the dry run and the tests import this without it.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import dataclasses
 import logging
-import math
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from x1_common.alerts import AlertSender
-from x1_common.contracts import BudgetFormatError, BudgetReading, ExitCode
+from x1_common.contracts import (
+    CLOCK_SKEW_S,
+    MAX_JSON_FILE_BYTES,
+    BudgetReading,
+    ExitCode,
+    finite_number,
+    parse_json_strict,
+    read_json_file,
+)
 from x1_pretrain.accounting import fmt_count, steps_that_fit
 from x1_pretrain.config import BudgetConfig, ConfigError
 from x1_pretrain.plan import usd  # $35 / $26.40, the seed's style
@@ -250,24 +258,27 @@ class Projection:
 
 
 def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReading, float]:
-    """The reading at `uri` (a path or an http(s) URL) and its time scale (1 outside tests and the demo)."""
+    """The reading at `uri` (a path or an http(s) URL) and its time scale (1 outside tests and the demo).
+
+    The time scale is an informative field of the sidecar's (tests and the demo run its clock
+    fast). No field outside the contract may make spend look lower: a scale under 1, or one that
+    is not a finite number, is read as 1 — it can only ever speed the meter up."""
     try:
         if uri.startswith(("http://", "https://")):
             with urllib.request.urlopen(uri, timeout=timeout) as resp:
-                data = json.loads(resp.read())
+                data = parse_json_strict(resp.read(MAX_JSON_FILE_BYTES + 1), what=uri, finite=False)
         else:
-            data = json.loads(Path(uri).read_text(encoding="utf-8"))
+            # Non-finite numbers parse: from_dict refuses them where money is (the contract's keys).
+            data = read_json_file(uri, finite=False)
         reading = BudgetReading.from_dict(data)
     except urllib.error.HTTPError as e:
         raise ReadError(f"{uri}: HTTP {e.code}") from None
     except (urllib.error.URLError, TimeoutError, OSError) as e:
         raise ReadError(f"{uri}: {getattr(e, 'reason', None) or e}") from None
-    except (ValueError, BudgetFormatError) as e:  # JSONDecodeError is a ValueError
-        raise ReadError(f"{uri}: {e}") from None
-    scale = data.get("time_scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        scale = 1.0
-    return reading, float(scale)
+    except ValueError as e:  # UnreadableFileError, BudgetFormatError
+        raise ReadError(f"{uri}: {str(e).removeprefix(uri + ': ')}") from None
+    scale = finite_number(data.get("time_scale", 1.0))
+    return reading, max(1.0, scale or 1.0)
 
 
 def planned_sentence(rate: float, hours: float, cap: float, max_price: float) -> tuple[str, bool]:
@@ -309,6 +320,9 @@ class BudgetGuard:
         self._read = reader or (lambda: read_source(cfg.curr_cost_uri))
         self.last_reading: BudgetReading | None = None
         self._time_scale = 1.0
+        self._origin: float | None = None  # when last_reading's age starts (its date, unless that is in the future)
+        self._rate_floor = 0.0  # the previous reading's rate: a lower new rate is extrapolated at this one
+        self._last_read_at: float | None = None
         self._last_check: float | None = None
         self.planned_rate: float | None = cfg.planned_rate_usd_per_hr
         self.pace = pace  # the run's own pace; None: judged by the sidecar's projection alone
@@ -348,12 +362,22 @@ class BudgetGuard:
 
     # --- the numbers --------------------------------------------------------------------------
     def _age_s(self, reading: BudgetReading, now: float) -> float:
-        return max(0.0, now - reading.last_update_utc.timestamp())
+        """Seconds the meter has run since `reading`. A reading dated in the future has no age of
+        its own: it counts from `_origin` (see _try_read), never from its date, so that a wrong
+        clock or a damaged file cannot stop the extrapolation."""
+        origin = self._origin if reading is self.last_reading and self._origin is not None else \
+            reading.last_update_utc.timestamp()
+        return max(0.0, now - origin)
 
     def _extrapolate(self, reading: BudgetReading, now: float) -> tuple[float, float]:
-        """(spent, projected) at `now` if the meter kept running at the reading's rate."""
+        """(spent, projected) at `now` if the meter kept running at the reading's rate — or at the
+        previous reading's, when this one's is lower: when the price fell is unknown, so the
+        higher of the two counts (the sidecar's rule for the interval between two polls)."""
+        rate = reading.rate_usd_per_hr
+        if reading is self.last_reading:
+            rate = max(rate, self._rate_floor)
         billed_h = self._age_s(reading, now) * self._time_scale / 3600.0
-        spent = reading.spent_usd + reading.rate_usd_per_hr * billed_h
+        spent = reading.spent_usd + rate * billed_h
         # The projection already counts the remaining planned hours at the same rate: only the
         # spend itself can overtake it (a run that outlives its plan).
         return spent, max(reading.projected_total_usd, spent)
@@ -398,12 +422,44 @@ class BudgetGuard:
         return f"; --total-steps {fits} fits (of {self.pace.total_steps:,})"
 
     def _try_read(self) -> str | None:
-        """Read the source into last_reading; the error in words when there is no new reading."""
+        """Read the source into last_reading; the error in words when there is no new reading.
+
+        A reading dated more than the clock skew ahead of our clock is suspect: it is marked
+        stale (the stale-data alert goes out) and its age is counted from the last time we read
+        the source and did not find it (it was written after that), or, for a first reading, from
+        the earlier of the file's modification time and now. Spend never looks lower for it."""
+        now = self.clock()
+        previous_read, self._last_read_at = self._last_read_at, now
         try:
             reading, scale = self._read()
         except ReadError as e:
             return str(e)
-        self.last_reading, self._time_scale = reading, scale
+        prev = self.last_reading
+        written = reading.last_update_utc.timestamp()
+        same = prev is not None and self._origin is not None and prev.last_update_utc == reading.last_update_utc \
+            and prev.spent_usd == reading.spent_usd and prev.rate_usd_per_hr == reading.rate_usd_per_hr
+        if same and self._origin is not None and prev is not None:
+            # The reading we already had: its age runs on from the same origin, and one that was
+            # dated in the future stays suspect after our clock has caught up with its date.
+            origin = min(self._origin, written)
+            reading = dataclasses.replace(reading, stale=reading.stale or prev.stale)
+        elif written <= now + CLOCK_SKEW_S:
+            origin = min(written, now)  # a date a little ahead (two clocks) is "now", never later
+        else:
+            origin = now if previous_read is None else previous_read
+            if not self.cfg.curr_cost_uri.startswith(("http://", "https://")):
+                with contextlib.suppress(OSError):
+                    origin = min(origin, Path(self.cfg.curr_cost_uri).stat().st_mtime)
+            self.log.warning(
+                "budget reading from %s is dated %.1f h in the future (%s): not trusted as fresh; its age is "
+                "counted from %s and it is treated as stale", self.cfg.curr_cost_uri, (written - now) / 3600.0,
+                reading.last_update_utc.isoformat(), datetime.fromtimestamp(origin, timezone.utc).isoformat())
+            reading = dataclasses.replace(reading, stale=True)
+        self._rate_floor = prev.rate_usd_per_hr if prev is not None else 0.0
+        if reading.rate_usd_per_hr < self._rate_floor:
+            self.log.warning("budget reading's rate %s/h is below the previous reading's %s/h: extrapolating at the "
+                             "higher until the next reading", usd(reading.rate_usd_per_hr), usd(self._rate_floor))
+        self.last_reading, self._time_scale, self._origin = reading, scale, origin
         return None
 
     # --- start ------------------------------------------------------------------------------

@@ -11,16 +11,25 @@ A folder is written as `.tmp-step_XXXXXXXX-<pid>/` and renamed only once complet
 during a save leaves the previous checkpoint as the newest complete one. Loading verifies every
 hash; a corrupt or incomplete checkpoint is skipped with a warning naming it. (Peers lost runs to
 in-place overwrites and to "latest" pointing at a checkpoint that was not yet durable.)
+
+Every file of a folder is read as untrusted: a marker or a state of the wrong shape, a missing or
+extra file, a hash that does not match, a folder that is a file, all make `verify` say what is
+wrong, never raise. A save that fails (a full disk above all) removes its partial folder at once
+and raises CheckpointError naming the folder; on a full disk CheckpointSpaceError says how much
+a checkpoint needs. A save never replaces a folder of the same step that does not verify: that
+one is renamed aside (`step_XXXXXXXX.unverified-<time>`), kept as evidence.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -32,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from x1_common.contracts import format_utc, utc_now
+from x1_common.contracts import format_utc, parse_json_strict, read_file_bytes, read_json_file, utc_now
 from x1_common.fsutil import fsync_dir, sha256_file, write_bytes_atomic, write_text_atomic
 from x1_pretrain.config import ModelConfig
 from x1_pretrain.weights import weights_bytes
@@ -76,10 +85,42 @@ class TrainerState:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> TrainerState:
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes) -> TrainerState:
+        """The state in `text`; CheckpointError naming the field when it is not a trainer state."""
+        try:
+            data = parse_json_strict(text, what=STATE_FILE)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{STATE_FILE}: not a JSON object")
+        for key, kinds in _STATE_FIELDS.items():
+            if key not in data:
+                if key in _STATE_REQUIRED:
+                    raise CheckpointError(f"{STATE_FILE}: field {key!r} missing")
+                continue
+            value = data[key]
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                raise CheckpointError(f"{STATE_FILE}: field {key!r} is {type(value).__name__}, expected "
+                                      f"{' or '.join(k.__name__ for k in kinds)}")
+            if key in _STATE_COUNTS and value < 0:
+                raise CheckpointError(f"{STATE_FILE}: field {key!r} is negative ({value})")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# Types of trainer_state.json's fields, checked before a resume trusts them.
+_STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "step": (int,), "tokens_seen": (int,), "config_hash": (str,), "config": (dict,), "sampler": (dict,),
+    "mlflow_run_id": (str, type(None)), "world_size": (int,), "micro_batch_size": (int,), "rng": (dict,),
+    "spike": (dict,), "nonfinite_in_row": (int,), "train_seconds": (int, float), "run_started": (int, float),
+    "restarts": (int,), "created_utc": (str,),
+}
+_STATE_REQUIRED = ("step", "tokens_seen", "config_hash", "config", "sampler")
+_STATE_COUNTS = ("step", "tokens_seen", "world_size", "micro_batch_size", "nonfinite_in_row", "train_seconds",
+                 "restarts")
+# The files a complete folder holds besides its marker: the marker must list exactly these.
+CHECKPOINT_FILES = (MODEL_FILE, OPTIM_FILE, STATE_FILE)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 # ---- RNG states: python, numpy, torch CPU, every CUDA device --------------------------------
@@ -105,6 +146,14 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    """Restore the RNG states of capture_rng; CheckpointError when `state` is not one."""
+    try:
+        _restore_rng(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointError(f"{STATE_FILE}: the RNG states do not restore ({type(e).__name__}: {e})") from None
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
     if not state:
         return
     version, internal, gauss = state["python"]
@@ -129,7 +178,11 @@ class Loaded:
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that cannot be written or read; the message names the folder and the problem."""
+
+
+class CheckpointSpaceError(CheckpointError):
+    """The disk under the checkpoint folder is full."""
 
 
 class Checkpointer:
@@ -142,49 +195,98 @@ class Checkpointer:
 
     def save(self, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any],
              state: TrainerState) -> float:
-        """Write step_XXXXXXXX/ completely, then point `latest` at it. Returns seconds taken."""
+        """Write step_XXXXXXXX/ completely, then point `latest` at it. Returns seconds taken.
+
+        CheckpointError (CheckpointSpaceError on a full disk) when it cannot: the partial folder
+        is gone by then, and the checkpoints already there are untouched."""
         t0 = time.perf_counter()
-        self.root.mkdir(parents=True, exist_ok=True)
         name = step_dir_name(step)
         final = self.root / name
         tmp = self.root / f".tmp-{name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
         state.created_utc = format_utc(utc_now())
         blobs = {
             MODEL_FILE: weights_bytes(model_state, self.model_cfg, {"step": step, "config_hash": state.config_hash}),
             OPTIM_FILE: _torch_bytes(optim_state),
             STATE_FILE: state.to_json().encode(),
         }
-        hashes = {}
-        for fname, data in blobs.items():
-            hashes[fname] = hashlib.sha256(data).hexdigest()
-            _write_durable(tmp / fname, data)
-        marker = {"step": step, "files": hashes, "complete_utc": format_utc(utc_now())}
-        _write_durable(tmp / MARKER, json.dumps(marker, indent=2).encode())  # last: the folder is now complete
-        fsync_dir(tmp)
-        if final.exists():  # the same step saved again (e.g. SIGTERM right after a periodic save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
-        write_text_atomic(self.root / "latest", name + "\n")
+        need = sum(len(b) for b in blobs.values())
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_dead_temps()  # a killed save's leftovers: space first
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            hashes = {}
+            for fname, data in blobs.items():
+                hashes[fname] = hashlib.sha256(data).hexdigest()
+                _write_durable(tmp / fname, data)
+            marker = {"step": step, "files": hashes, "complete_utc": format_utc(utc_now())}
+            _write_durable(tmp / MARKER, json.dumps(marker, indent=2).encode())  # last: the folder is now complete
+            fsync_dir(tmp)
+            if final.exists() or final.is_symlink():  # the same step saved again (e.g. SIGTERM right after a periodic save)
+                problem = self.verify(final)
+                if problem is None:
+                    shutil.rmtree(final)
+                else:
+                    aside = final.with_name(f"{name}.unverified-{time.strftime('%Y%m%dT%H%M%S')}")
+                    log.warning("%s does not verify (%s): renamed to %s, not overwritten", final, problem, aside.name)
+                    os.rename(final, aside)
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+            write_text_atomic(self.root / "latest", name + "\n")
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise self._write_error(e, f"checkpoint {name}", need) from None
         self._prune()
         return time.perf_counter() - t0
 
+    def _write_error(self, e: OSError, what: str, need: int) -> CheckpointError:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return CheckpointSpaceError(
+                f"no space left on device at {self.root}, need {need / 1e9:.2f} GB for {what} "
+                f"({free_gb(self.root):.2f} GB free): {what} not written; the older checkpoints are untouched")
+        return CheckpointError(f"{what} not written to {self.root}: {e.strerror or e}")
+
+    def check_space(self, need: int) -> None:
+        """CheckpointSpaceError when the disk under root cannot hold `need` more bytes (one more
+        checkpoint): found at start-up, before the hours of training a failed save would waste."""
+        free = free_gb(self.root) * 1e9
+        if free < need:
+            raise CheckpointSpaceError(
+                f"no space left on device at {self.root}, need {need / 1e9:.2f} GB for the next checkpoint, "
+                f"{free / 1e9:.2f} GB free: free some space (older runs, logs), then relaunch")
+
     def save_final(self, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], step: int,
                    config_hash: str) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(self.root / FINAL_OPTIM, _torch_bytes(optim_state))
-        write_bytes_atomic(
-            self.root / FINAL_WEIGHTS,
-            weights_bytes(model_state, self.model_cfg, {"step": step, "config_hash": config_hash}),
-        )
+        """final.safetensors + final-optimizer.pt. An existing final of another step is replaced
+        only with a warning that names both steps (a run extended with a larger --total-steps)."""
+        weights = self.root / FINAL_WEIGHTS
+        if weights.is_file():
+            from x1_pretrain.weights import read_metadata
+
+            try:
+                old_step = read_metadata(weights).get("step")
+            except Exception as e:  # noqa: BLE001 - any unreadable final is replaced, and said so
+                old_step = f"unreadable ({e})"
+            if old_step != step:
+                log.warning("replacing %s of step %s with the weights of step %d", weights, old_step, step)
+        optim_blob = _torch_bytes(optim_state)
+        weights_blob = weights_bytes(model_state, self.model_cfg, {"step": step, "config_hash": config_hash})
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(self.root / FINAL_OPTIM, optim_blob)
+            write_bytes_atomic(weights, weights_blob)
+        except OSError as e:
+            raise self._write_error(e, FINAL_WEIGHTS, len(optim_blob) + len(weights_blob)) from None
 
     def _prune(self) -> None:
+        # The marker alone, not every hash: a save must stay within a spot instance's 5 s notice.
         complete = [p for p in self.step_dirs() if (p / MARKER).is_file()]
         for old in complete[self.keep_last :]:
             shutil.rmtree(old, ignore_errors=True)
+        self._remove_dead_temps()
+
+    def _remove_dead_temps(self) -> None:
         for tmp in self.root.glob(".tmp-step_*"):  # left by a process killed mid-save
             pid = tmp.name.rsplit("-", 1)[-1]
             if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
@@ -193,28 +295,62 @@ class Checkpointer:
     # -- loading --
 
     def step_dirs(self) -> list[Path]:
-        """step_* folders, newest first."""
-        if not self.root.is_dir():
+        """Entries named step_XXXXXXXX, newest first (a file of that name too: verify says what it is)."""
+        try:
+            entries = list(self.root.iterdir()) if self.root.is_dir() else []
+        except OSError:
             return []
-        dirs = [p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-        return sorted(dirs, key=lambda p: p.name, reverse=True)
+        return sorted((p for p in entries if STEP_DIR.match(p.name)), key=lambda p: p.name, reverse=True)
 
     def verify(self, path: Path) -> str | None:
-        """None when complete and every hash matches; else what is wrong."""
-        marker = path / MARKER
-        if not marker.is_file():
-            return "no completion marker (incomplete save)"
+        """None when complete and every hash matches; else what is wrong, in words. Never raises."""
+        if not path.is_dir():
+            return "not a folder"
         try:
-            files = json.loads(marker.read_text())["files"]
-        except (ValueError, KeyError) as e:
-            return f"unreadable completion marker ({e})"
-        for fname, expected in files.items():
+            data = read_json_file(path / MARKER, max_bytes=1 << 20)
+        except FileNotFoundError:
+            return "no completion marker (incomplete save)"
+        except ValueError as e:
+            return f"unreadable completion marker ({str(e).removeprefix(str(path / MARKER) + ': ')})"
+        files = data.get("files") if isinstance(data, dict) else None
+        if not isinstance(files, dict):
+            return f"completion marker of the wrong shape (no 'files' object: {_short(data)})"
+        match = STEP_DIR.match(path.name)
+        step = data.get("step")
+        if match and (not isinstance(step, int) or isinstance(step, bool) or step != int(match.group(1))):
+            return f"completion marker says step {_short(step)}, the folder is {path.name}"
+        if sorted(files) != sorted(CHECKPOINT_FILES):
+            return f"completion marker lists {sorted(files)}, expected {list(CHECKPOINT_FILES)}"
+        for fname in CHECKPOINT_FILES:
+            expected = files[fname]
+            if not isinstance(expected, str) or not _SHA256.match(expected):
+                return f"completion marker's sha256 of {fname} is not a hash ({_short(expected)})"
             f = path / fname
             if not f.is_file():
                 return f"{fname} missing"
-            if sha256_file(f) != expected:
+            try:
+                actual = sha256_file(f)
+            except OSError as e:
+                return f"{fname} unreadable ({e.strerror or e})"
+            if actual != expected:
                 return f"{fname} does not match its sha256"
+        try:
+            state = TrainerState.from_json(read_file_bytes(path / STATE_FILE))
+        except (CheckpointError, OSError, ValueError) as e:
+            return f"{e}"
+        if match and state.step != int(match.group(1)):
+            return f"{STATE_FILE} says step {state.step}, the folder is {path.name}"
         return None
+
+    def verify_all(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """(the newest folder that verifies or None, [(folder, what is wrong)] for each newer one)."""
+        failed: list[tuple[Path, str]] = []
+        for path in self.step_dirs():
+            problem = self.verify(path)
+            if problem is None:
+                return path, failed
+            failed.append((path, problem))
+        return None, failed
 
     def newest_verified(self) -> Path | None:
         for path in self.step_dirs():
@@ -225,11 +361,21 @@ class Checkpointer:
         return None
 
     def load(self, path: Path, map_location: str | torch.device = "cpu") -> Loaded:
+        """A verified folder's contents; CheckpointError naming the folder when any part will not load."""
+        from x1_pretrain.config import ConfigError
         from x1_pretrain.weights import load_weights
 
-        model_state, _, _ = load_weights(path / MODEL_FILE)
-        optim_state = torch.load(path / OPTIM_FILE, map_location=map_location, weights_only=False)
-        state = TrainerState.from_json((path / STATE_FILE).read_text())
+        try:
+            model_state, _, _ = load_weights(path / MODEL_FILE)
+            # Our own file, its sha256 checked by verify(): torch.load may unpickle it.
+            optim_state = torch.load(path / OPTIM_FILE, map_location=map_location, weights_only=False)
+            state = TrainerState.from_json(read_file_bytes(path / STATE_FILE))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except (ConfigError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            raise CheckpointError(f"{path}: does not load ({type(e).__name__}: {e})") from None
+        if not isinstance(optim_state, dict):
+            raise CheckpointError(f"{path}: {OPTIM_FILE} does not hold an optimizer state")
         return Loaded(path, model_state, optim_state, state)
 
 
@@ -244,6 +390,22 @@ def _write_durable(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def free_gb(path: Path) -> float:
+    """Free GB on the filesystem of `path` (or of its nearest existing parent); inf if unknown."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free / 1e9
+    except OSError:
+        return float("inf")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _pid_alive(pid: int) -> bool:

@@ -3,7 +3,9 @@
     cfg = load_config("configs/x1-50m-a100.yaml", sets=["optim.lr=1e-3"])
 
 Every field says its unit and why its default. Unknown keys, wrong types and impossible values
-raise ConfigError naming the field (the commands turn it into exit 2). Derived values (head dim,
+raise ConfigError naming the field (the commands turn it into exit 2): every number must be finite
+(no .inf, no .nan), a key repeated in one YAML mapping is an error (YAML would keep the last one
+silently), and a file that is not UTF-8 text is named as such. Derived values (head dim,
 padded vocab, gradient accumulation) are computed here and nowhere else. `config_hash` covers what
 defines the run's math, so a resume with a different optimizer, schedule or model is refused.
 """
@@ -18,6 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from x1_common.contracts import read_file_bytes
+
 
 class ConfigError(ValueError):
     """A config that cannot run. The message starts with the dotted field name."""
@@ -29,7 +33,39 @@ def _yaml_word(v: object) -> object:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: `lr: .inf` is a float to YAML and would otherwise pass `gt=0`.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key repeated in one mapping (YAML keeps the last one silently:
+    a section written twice loses the first's settings without a word)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` may be overridden by the keys after it
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node)
+        except TypeError:  # an unhashable key: the base constructor names it
+            continue
+        if first is not key_node:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark,
+                f"key {key!r} appears twice (first on line {first.start_mark.line + 1}); YAML would keep only the last",
+                key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def yaml_load(text: str) -> Any:
+    """yaml.safe_load, refusing duplicated keys."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ModelConfig(_Section):
@@ -226,6 +262,14 @@ class RunConfig(_Section):
         self.train.grad_accum(self.model.seq_len, 1)  # raises ConfigError naming the field
         return self
 
+    @model_validator(mode="after")
+    def _warmup_within_run(self) -> RunConfig:
+        if self.optim.warmup_steps > self.train.total_steps:
+            raise ValueError(
+                f"optim.warmup_steps: {self.optim.warmup_steps} is more than train.total_steps={self.train.total_steps}: "
+                "the learning rate would never reach its peak nor decay; lower it (--set optim.warmup_steps=N)")
+        return self
+
     def grad_accum(self, world_size: int = 1) -> int:
         return self.train.grad_accum(self.model.seq_len, world_size)
 
@@ -304,7 +348,7 @@ def parse_set(item: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {item!r}: expected section.field=value")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"{key}: cannot read value {raw!r}: {e}") from e
     return key.strip(), value
@@ -343,11 +387,18 @@ def load_config(
     if path is not None:
         p = Path(path)
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"config file {p}: {e.strerror}") from None
+            raw = read_file_bytes(p, max_bytes=1 << 20)
+            loaded = yaml_load(raw.decode("utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p}: no such file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+        except (OSError, ValueError) as e:  # a folder, a FIFO, unreadable, too big
+            raise ConfigError(f"config file {str(e) if str(p) in str(e) else f'{p}: {e}'}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p}: not valid YAML: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {p}: nested too deeply") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 import sys
 import sysconfig
@@ -68,6 +69,8 @@ def python_files(root: Path, *, skip_dirs: Iterable[str] = ()) -> Iterator[tuple
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
         if skip.intersection(rel.parts[:-1]) or any(p.startswith(".") for p in rel.parts):
+            continue
+        if not path.is_file():  # a FIFO, socket or dangling symlink named *.py: never opened (it could block)
             continue
         found.append((rel.as_posix(), path))
     yield from sorted(found)
@@ -286,12 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name in ("max_mb", "file_mb"):
         value = getattr(args, name)
-        if not value > 0:
-            parser.error(f"--{name.replace('_', '-')} must be a positive number of MB, got {value}")
+        if not (value > 0 and math.isfinite(value)):
+            parser.error(f"--{name.replace('_', '-')} must be a positive, finite number of MB, got {value}")
     if args.row_group_rows < 1:
         parser.error(f"--row-group-rows must be >= 1, got {args.row_group_rows}")
     if args.output.exists() and not args.output.is_dir():
         parser.error(f"--output {args.output}: exists and is not a folder")
+    try:
+        args.output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission
+        parser.error(f"--output {args.output}: cannot be created ({e.strerror or e})")
     started = time.monotonic()
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     summary = write_corpus(

@@ -10,7 +10,6 @@ The global sample index counts the samples of one optimizer step across micro-st
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from x1_common.contracts import read_json_file
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,7 @@ def open_token_data(data_dir: str | os.PathLike[str], vocab_size: int) -> TokenD
 
 def _read_meta(path: Path, vocab_size: int) -> dict[str, Any]:
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = read_json_file(path)
     except FileNotFoundError:
         raise DataError(
             f"{path}: missing; tokenize first: python -m x1_pretrain.tokenize_data --input-dir ... --output-dir {path.parent}"
@@ -114,8 +115,10 @@ def check_token_ids(data_dir: Path, files: dict[str, np.ndarray], vocab_size: in
     """Raises DataError naming the file, the first id >= vocab_size and its offset."""
     cache_path = data_dir / CHECK_CACHE
     try:
-        cache = json.loads(cache_path.read_text())
+        cache = read_json_file(cache_path)
     except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
         cache = {}
     changed = False
     for split, tokens in files.items():
@@ -124,7 +127,9 @@ def check_token_ids(data_dir: Path, files: dict[str, np.ndarray], vocab_size: in
         st = path.stat()
         stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         entry = cache.get(name)
-        if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and entry.get("max_id", vocab_size) < vocab_size:
+        max_seen = entry.get("max_id") if isinstance(entry, dict) else None
+        if (isinstance(max_seen, int) and not isinstance(max_seen, bool) and max_seen < vocab_size
+                and {k: entry.get(k) for k in stamp} == stamp):
             continue
         max_id = _scan_max_id(path, tokens, vocab_size)
         cache[name] = {**stamp, "max_id": max_id}

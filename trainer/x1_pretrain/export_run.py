@@ -297,14 +297,19 @@ def read_events(path: Path | None) -> list[dict[str, Any]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise ExportError(f"--events-file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ExportError(f"--events-file {path}: not UTF-8 text (byte offset {e.start})") from None
     events = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError as e:
+            event = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as e:
             raise ExportError(f"--events-file {path}: line {n} is not JSON ({e})") from None
+        if not isinstance(event, dict):
+            raise ExportError(f"--events-file {path}: line {n} is not a JSON object")
+        events.append(event)
     return events
 
 
@@ -340,7 +345,7 @@ class WeightsChoice:
 def choose_weights(ckpt_dir: Path, end: str) -> WeightsChoice:
     """final.safetensors for a finished run; the newest complete, verified checkpoint otherwise."""
     from x1_pretrain.checkpoint import FINAL_WEIGHTS, MODEL_FILE, Checkpointer
-    from x1_pretrain.config import ModelConfig
+    from x1_pretrain.config import ConfigError, ModelConfig
     from x1_pretrain.weights import read_metadata
 
     if not ckpt_dir.is_dir():
@@ -351,18 +356,26 @@ def choose_weights(ckpt_dir: Path, end: str) -> WeightsChoice:
         step = read_metadata(path).get("step")
         return int(step) if isinstance(step, int) else None
 
+    skipped = []
     if final.is_file() and end in ("finished", "running", "unknown"):
         why = ("the run finished: the trainer's final weights" if end == "finished" else
                f"the run's end is {end!r}, but final.safetensors exists (the trainer writes it only at its last step)")
-        return WeightsChoice(final, step_of(final), why, [])
+        try:
+            return WeightsChoice(final, step_of(final), why, [])
+        except ConfigError as e:  # a damaged final: the newest verified checkpoint instead, said so
+            skipped.append(f"{FINAL_WEIGHTS}: {e}")
     checkpointer = Checkpointer(ckpt_dir, keep_last=1, model_cfg=ModelConfig())  # the config is used only to save
-    skipped = []
     for step_dir in checkpointer.step_dirs():
         problem = checkpointer.verify(step_dir)
         if problem:
             skipped.append(f"{step_dir.name}: {problem}")
             continue
         path = step_dir / MODEL_FILE
+        try:
+            step = step_of(path)
+        except ConfigError as e:
+            skipped.append(f"{step_dir.name}: {e}")
+            continue
         if end == "finished":
             why = (f"the run is marked finished but {final} is missing: the newest complete, verified "
                    f"checkpoint ({step_dir.name}) instead")
@@ -371,7 +384,7 @@ def choose_weights(ckpt_dir: Path, end: str) -> WeightsChoice:
                    f"({step_dir.name})")
         if skipped:
             why += f"; skipped {'; '.join(skipped)}"
-        return WeightsChoice(path, step_of(path), why, skipped)
+        return WeightsChoice(path, step, why, skipped)
     detail = f" (skipped {'; '.join(skipped)})" if skipped else ""
     raise ExportError(f"no weights in {ckpt_dir}: no final.safetensors and no complete, verified step_* "
                       f"checkpoint{detail}")
@@ -646,8 +659,8 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
 
     end, end_detail = end_of_run(record, events)
     config = run_config(record, inputs.ckpt_dir)
-    meta = read_metadata(weights_copy)
     try:
+        meta = read_metadata(weights_copy)
         model_cfg = model_config_from_json(json.dumps(meta["model_config"]))
     except (KeyError, ConfigError) as e:
         raise ExportError(f"{weights.path}: not an X1 weights file (no usable model config in its metadata: {e})") from None
@@ -773,7 +786,7 @@ def copy_weights(src: Path, dst: Path) -> str:
         sha = sha256_file(dst)
         marker = src.parent / MARKER
         expected = json.loads(marker.read_text())["files"][src.name] if marker.is_file() else sha
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{src} changed while it was copied ({e}): is the trainer still running? Export again") from None
     if sha != expected:
         raise ExportError(f"{src} changed while it was copied (sha256 {sha[:12]}, its marker says {expected[:12]}): "

@@ -26,6 +26,7 @@ How it scales to the seed's ~96 parquet files of ~230 MB (~10B tokens):
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import hashlib
 import json
@@ -36,6 +37,7 @@ import os
 import queue as queue_mod
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -50,7 +52,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from x1_common.contracts import ExitCode, format_utc, utc_now
+from x1_common.contracts import ExitCode, format_utc, read_json_file, utc_now
 from x1_common.fsutil import fsync_dir, write_json_atomic
 from x1_common.logs import setup_logging
 from x1_pretrain.tokenizer import EOT_TOKEN, VOCAB_SIZE, encode_document_array, get_encoding
@@ -133,11 +135,26 @@ def input_kind(name: str) -> str | None:
     return None
 
 
-def find_inputs(input_dir: Path, exclude: list[Path]) -> tuple[list[SourceFile], int]:
-    """Supported files under input_dir in path order, and how many other files were ignored."""
-    sources, ignored = [], 0
+@dataclass(frozen=True)
+class BadEntry:
+    """A name under the input dir that looks like an input but cannot be read as a file: a
+    dangling symlink, a symlink loop, a FIFO, a socket, a device, an unreadable folder."""
+
+    path: str
+    problem: str
+
+
+def find_inputs(input_dir: Path, exclude: list[Path]) -> tuple[list[SourceFile], int, list[BadEntry]]:
+    """Supported files under input_dir in path order, how many other files were ignored, and the
+    entries that look like inputs but are not regular files (nothing here ever opens them, so a
+    FIFO cannot hang the walk). Symlinked folders are not followed (no loops)."""
+    sources, ignored, bad = [], 0, []
     excluded = [e.resolve() for e in exclude]
-    for root, dirs, files in os.walk(input_dir):
+
+    def walk_error(e: OSError) -> None:
+        bad.append(BadEntry(str(e.filename or input_dir), f"folder not readable ({e.strerror or e})"))
+
+    for root, dirs, files in os.walk(input_dir, onerror=walk_error):
         here = Path(root)
         dirs[:] = [d for d in dirs if not d.startswith(".") and (here / d).resolve() not in excluded]
         for name in files:
@@ -146,10 +163,50 @@ def find_inputs(input_dir: Path, exclude: list[Path]) -> tuple[list[SourceFile],
                 ignored += not name.startswith(".")
                 continue
             path = here / name
-            st = path.stat()
+            try:
+                st = path.stat()  # follows a symlink to what it names
+            except OSError as e:
+                bad.append(BadEntry(str(path), _stat_problem(path, e)))
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                bad.append(BadEntry(str(path), f"not a regular file but {_entry_kind(st.st_mode)}: it cannot be "
+                                               "tokenized (and reading it could block forever)"))
+                continue
             sources.append(SourceFile(path.relative_to(input_dir).as_posix(), str(path), kind, st.st_size, st.st_mtime_ns))
     sources.sort(key=lambda s: s.rel)
-    return sources, ignored
+    return sources, ignored, sorted(bad, key=lambda b: b.path)
+
+
+def _stat_problem(path: Path, e: OSError) -> str:
+    if path.is_symlink():
+        if e.errno == errno.ELOOP:
+            return "a symlink loop (it never reaches a file)"
+        if e.errno == errno.ENOENT:
+            return f"a dangling symlink (its target {os.readlink(path)!r} does not exist)"
+    return f"cannot be read ({e.strerror or e})"
+
+
+def _entry_kind(mode: int) -> str:
+    for test, word in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return word
+    return "something else"
+
+
+def open_regular(path: str) -> BinaryIO:
+    """`path` opened for reading only if it is a regular file, without ever blocking in the open
+    (a FIFO put in place of a file after the walk): InputError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise InputError(path, f"cannot be opened ({e.strerror or e})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InputError(path, f"not a regular file but {_entry_kind(st.st_mode)}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def _open_parquet(source: SourceFile):  # -> pq.ParquetFile
@@ -407,6 +464,22 @@ class ShardResult:
     seconds: float = 0.0
 
 
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _result_ok(r: ShardResult) -> bool:
+    """A finished-shard record of the right shape (one from a crashed or older run may not be)."""
+    fb = r.fallback
+    return (isinstance(r.key, str) and isinstance(r.rel, str)
+            and all(_count(getattr(r, f)) for f in ("train_tokens", "val_tokens", "train_documents", "val_documents"))
+            and isinstance(r.skipped, dict) and all(isinstance(k, str) and _count(v) for k, v in r.skipped.items())
+            and isinstance(r.skip_examples, list) and all(isinstance(e, dict) for e in r.skip_examples)
+            and (r.sha256 is None or isinstance(r.sha256, str))
+            and (fb is None or (isinstance(fb, (list, tuple)) and len(fb) == 4 and all(_count(x) for x in fb)))
+            and isinstance(r.seconds, (int, float)))
+
+
 def val_score(seed: int, rel: str, index: int) -> int:
     """A uniform 64-bit number for one document: below the threshold means val."""
     digest = hashlib.blake2b(f"{seed}\0{rel}\0{index}".encode(), digest_size=8).digest()
@@ -438,11 +511,11 @@ def tokenize_shard(shard: Shard, settings: Settings, shard_dir: Path, progress: 
         raw: HashingReader | None = None
         if src.kind == "parquet":
             if shard.part == 0:
-                with open(src.path, "rb") as f:  # pyarrow reads by random access: hash in one plain pass
+                with open_regular(src.path) as f:  # pyarrow reads by random access: hash in one plain pass
                     result.sha256 = HashingReader(f).finish()
             records: Iterator[tuple[int, Any, str | None]] = read_parquet(shard, settings.skip_bad_records, report)
         else:
-            raw = HashingReader(stack.enter_context(open(src.path, "rb")))
+            raw = HashingReader(stack.enter_context(open_regular(src.path)))
             records = (read_jsonl if src.kind.startswith("jsonl") else read_txt)(raw, src)
         reported = 0  # raw bytes read and reported
         try:
@@ -661,7 +734,7 @@ class WorkDir:
         wanted = {"version": WORK_VERSION, **asdict(settings)}
         settings_file = self.path / "settings.json"
         try:
-            previous = json.loads(settings_file.read_text())
+            previous = read_json_file(settings_file)
         except (OSError, ValueError):
             previous = None
         if previous != wanted:
@@ -677,7 +750,9 @@ class WorkDir:
         for shard in shards:
             train, val, record = shard_paths(self.shards, shard.key)
             try:
-                r = ShardResult(**json.loads(record.read_text()))
+                r = ShardResult(**read_json_file(record))
+                if not _result_ok(r):
+                    continue
                 r.fallback = tuple(r.fallback) if r.fallback else None  # type: ignore[assignment]
             except (OSError, ValueError, TypeError):
                 continue
@@ -690,7 +765,10 @@ class WorkDir:
         keep = {f"{k}{suffix}" for k in done for suffix in (".train.bin", ".val.bin", ".json")}
         for leftover in self.shards.iterdir():  # temps of a killed run, shards of changed inputs
             if leftover.name not in keep:
-                leftover.unlink()
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)
+                else:
+                    leftover.unlink()
         return done
 
     def remove(self) -> None:
@@ -848,7 +926,7 @@ def pick_fallback(settings: Settings, shards: list[Shard], results: dict[str, Sh
 def up_to_date(output_dir: Path, settings: Settings, sources: list[SourceFile]) -> bool:
     """True when meta.json says the outputs came from these very inputs and settings."""
     try:
-        meta = json.loads((output_dir / "meta.json").read_text())
+        meta = read_json_file(output_dir / "meta.json")
         same_inputs = [(s["path"], s["bytes"], s["mtime_ns"]) for s in meta["sources"]] == [
             (s.rel, s.size, s.mtime_ns) for s in sources
         ]
@@ -859,7 +937,7 @@ def up_to_date(output_dir: Path, settings: Settings, sources: list[SourceFile]) 
             (output_dir / f"{split}.bin").stat().st_size == meta[f"{split}_tokens"] * 2 for split in ("train", "val")
         )
         return same_inputs and same_settings and sizes
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
@@ -920,8 +998,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
-    if not args.shard_mb > 0:
-        parser.error(f"--shard-mb must be > 0, got {args.shard_mb}")
+    if not (args.shard_mb > 0 and math.isfinite(args.shard_mb)):
+        parser.error(f"--shard-mb must be a finite number > 0, got {args.shard_mb}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.tokenizer not in TOKENIZERS:  # checked by name: building the BPE here would only delay the workers
@@ -955,7 +1033,14 @@ def run(input_dir: Path, output_dir: Path, settings: Settings, workers: int, sha
     started = time.monotonic()
     if not input_dir.is_dir():
         raise InputError(str(input_dir), "--input-dir is not a folder", skippable=False)
-    sources, ignored = find_inputs(input_dir, exclude=[output_dir])
+    if (output_dir.exists() or output_dir.is_symlink()) and not output_dir.is_dir():
+        raise InputError(str(output_dir), "--output-dir exists and is not a folder", skippable=False)
+    sources, ignored, bad = find_inputs(input_dir, exclude=[output_dir])
+    if bad and not settings.skip_bad_records:
+        listed = "; ".join(f"{b.path}: {b.problem}" for b in bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise InputError(str(input_dir), f"{len(bad)} input name(s) are not readable files: {listed}")
+    for b in bad:
+        log.warning("skipping %s: %s", b.path, b.problem)
     if not sources:
         formats = ", ".join("*" + e for e in FORMATS)
         raise InputError(str(input_dir), f"no input files ({formats}) in this folder", skippable=False)
@@ -964,7 +1049,10 @@ def run(input_dir: Path, output_dir: Path, settings: Settings, workers: int, sha
     if up_to_date(output_dir, settings, sources):
         print(f"{output_dir}: up to date with {len(sources)} input file(s); nothing to do")
         return 0
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, a read-only mount
+        raise InputError(str(output_dir), f"--output-dir cannot be created ({e.strerror or e})", skippable=False) from None
     work = WorkDir(output_dir)
     work.open(settings)
     shards, unreadable = plan_shards(sources, shard_bytes, settings.skip_bad_records)
@@ -990,6 +1078,10 @@ def run(input_dir: Path, output_dir: Path, settings: Settings, workers: int, sha
             raise InputError(s.path, "changed while being tokenized; rerun", skippable=False)
     fallback_key = pick_fallback(settings, shards, done)
     meta = build_meta(settings, input_dir, sources, unreadable, shards, done, fallback_key)
+    for b in bad:  # --skip-bad-records: counted with the unreadable files
+        meta["skipped_files"].append({"path": Path(b.path).relative_to(input_dir).as_posix()
+                                      if Path(b.path).is_relative_to(input_dir) else b.path, "problem": b.problem})
+        meta["skipped"]["unreadable file"] = meta["skipped"].get("unreadable file", 0) + 1
     if meta["train_tokens"] == 0:
         problem = (
             f"all {meta['documents']} document(s) went to val.bin, none is left for train.bin: lower --val-fraction"

@@ -207,10 +207,18 @@ class MlflowLogger:
             meta = json.loads(header)
             if meta.get("run_id") not in (None, self.run_id):
                 return
-            self._pending.extend((r["k"], r["v"], r["t"], r["s"]) for r in map(json.loads, rows))
-            self._pending_tags.update(meta.get("tags") or {})
+            entries = [(r["k"], r["v"], r["t"], r["s"]) for r in map(json.loads, rows)]
+            # A spool from another process is checked before any of it reaches MLflow's log_batch.
+            if not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and isinstance(t, int) and isinstance(st, int) for k, v, t, st in entries):
+                raise ValueError("an entry is not (name, number, time, step)")
+            tags = meta.get("tags") or {}
+            if not (isinstance(tags, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items())):
+                raise ValueError("its tags are not strings")
+            self._pending.extend(entries)
+            self._pending_tags.update(tags)
             log.info("replaying %d spooled metrics from %s", len(rows), self._spool)
-        except (ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             log.warning("ignoring unreadable metrics spool %s: %s", self._spool, e)
 
 

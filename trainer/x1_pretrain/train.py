@@ -36,7 +36,7 @@ from x1_pretrain import distributed as D
 from x1_pretrain import preflight
 from x1_pretrain.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
 from x1_pretrain.budget_guard import Interval, Pace, Projection
-from x1_pretrain.checkpoint import Checkpointer, TrainerState, capture_rng, restore_rng
+from x1_pretrain.checkpoint import Checkpointer, CheckpointError, TrainerState, capture_rng, restore_rng
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
 from x1_pretrain.data import split_window
 from x1_pretrain.lease import take_trainer_lease
@@ -494,9 +494,12 @@ def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
     """75 and 76 checkpoint first; 77 exits at once without writing (already over the cap)."""
     if code in (ExitCode.PREEMPTED, ExitCode.BUDGET_PROJECTED):
         t = time.perf_counter()
-        save_checkpoint(run, step)
-        log.warning("%s at step %d: checkpoint in %.2f s, exit %d", END_REASONS[code], step,
-                    time.perf_counter() - t, int(code))
+        try:
+            save_checkpoint(run, step)
+            log.warning("%s at step %d: checkpoint in %.2f s, exit %d", END_REASONS[code], step,
+                        time.perf_counter() - t, int(code))
+        except CheckpointError as e:  # the stop stands (a budget stop above all); the older checkpoints remain
+            log.error("%s at step %d: %s; exit %d all the same", END_REASONS[code], step, e, int(code))
     else:
         log.error("%s at step %d: exit %d without a checkpoint write", reason, step, int(code))
     run.sink.tags({"x1.end": END_REASONS[code], "x1.end_reason": reason[:500]})
@@ -549,7 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--eval-every", type=int, help="steps between val evals")
     seed.add_argument("--log-every", type=int, help="steps between metric logs")
     seed.add_argument("--resume-from-latest", action="store_true",
-                      help="continue from the newest complete, verified checkpoint (none: start fresh)")
+                      help="continue from the newest complete, verified checkpoint (no step folder: start fresh; "
+                      "step folders of which none verifies: exit 2 naming each, nothing touched)")
     seed.add_argument("--inject-spike-at-step", type=int, metavar="N",
                       help="replace the batches of steps N..N+4 with rare-token sequences (skipped after a natural spike)")
     budget = p.add_argument_group("budget guard (on only with --budget-cap-usd)")
@@ -627,29 +631,120 @@ def seed_everything(seed: int) -> None:
 
 
 def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
-    """The checkpoint to continue from (None: fresh start), agreed on by every rank."""
-    path = None
+    """The checkpoint to continue from (None: fresh start), agreed on by every rank.
+
+    --resume-from-latest takes the newest folder that verifies and loads, skipping newer broken
+    ones with a warning (SPEC §5). When step folders exist and none of them does, the run is
+    refused (exit 2) naming each folder and what is wrong with it: starting over would overwrite
+    them, and that is a person's decision, never a relaunch's. Nothing is moved or deleted."""
+    path, problem, loaded = None, None, None
     if d.is_main:
         existing = checkpointer.step_dirs()
         if args.resume_from_latest:
-            path = checkpointer.newest_verified()
-            if path is None and existing:
-                log.warning("no complete checkpoint in %s: starting from step 0", checkpointer.root)
+            failed: list[tuple[Path, str]] = []
+            for candidate in existing:
+                why = checkpointer.verify(candidate)
+                if why is None:
+                    try:
+                        loaded = checkpointer.load(candidate, map_location="cpu")
+                    except CheckpointError as e:
+                        why = str(e).removeprefix(f"{candidate}: ")
+                if why is None:
+                    path = candidate
+                    break
+                failed.append((candidate, why))
+            if path is not None:
+                for bad, why in failed:
+                    log.warning("skipping checkpoint %s: %s", bad, why)
+            elif existing:
+                problem = (f"{checkpointer.root}: none of its {len(existing)} checkpoint folder(s) verifies: "
+                           + "; ".join(f"{bad.name}: {why}" for bad, why in failed)
+                           + ". Nothing was moved, overwritten or deleted. To start this run over, give a new "
+                           "--ckpt-dir, or move these folders away yourself")
         elif existing:
-            raise DataOrConfigError(
-                f"{checkpointer.root} already holds checkpoints ({existing[0].name}, ...): pass --resume-from-latest "
-                "to continue that run, or give a new --ckpt-dir")
-    path = D.broadcast_object(d, str(path) if path else None)
+            problem = (f"{checkpointer.root} already holds checkpoints ({existing[0].name}, ...): pass "
+                       "--resume-from-latest to continue that run, or give a new --ckpt-dir")
+    # Every rank learns rank 0's verdict: a rank that raised alone would leave the others waiting.
+    path, problem = D.broadcast_object(d, (str(path) if path else None, problem))
+    if problem is not None:
+        raise DataOrConfigError(problem)
     if path is None:
         return None
-    loaded = checkpointer.load(Path(path), map_location="cpu")
+    if loaded is None:  # the other ranks: the folder rank 0 verified and loaded
+        try:
+            loaded = checkpointer.load(Path(path), map_location="cpu")
+        except CheckpointError as e:
+            raise DataOrConfigError(str(e)) from None
     if loaded.state.config_hash != cfg.config_hash():
         msg = (f"{path}: config hash {loaded.state.config_hash[:12]} differs from this config's "
                f"{cfg.config_hash()[:12]} (model, optimizer or schedule changed)")
         if not args.allow_config_change:
             raise DataOrConfigError(msg + "; pass --allow-config-change to continue anyway")
         log.warning("%s; continuing (--allow-config-change)", msg)
+    if loaded.state.step > cfg.train.total_steps:
+        raise DataOrConfigError(
+            f"train.total_steps: {cfg.train.total_steps} is below step {loaded.state.step} of the checkpoint "
+            f"{loaded.path.name}: a run cannot go back, and its final.safetensors would be rewritten from a later "
+            f"step than it says; give --total-steps {loaded.state.step} or more (nothing was written)")
     return loaded
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """The config's paths are of the right kind before anything is read or written: a folder
+    where a folder goes, a file where a file goes, and a parent that can be created."""
+    def where(label: str, path: str, folder: bool) -> None:
+        try:
+            p = Path(path)
+            if p.exists() or p.is_symlink():
+                if folder and not p.is_dir():
+                    raise DataOrConfigError(f"{label}: {p} exists and is not a folder")
+                if not folder and p.is_dir():
+                    raise DataOrConfigError(f"{label}: {p} is a folder, expected a file")
+                if folder and not os.access(p, os.W_OK | os.X_OK):
+                    raise DataOrConfigError(f"{label}: {p} is not writable")
+                return
+            parent = p.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+        except (OSError, ValueError) as e:  # a NUL byte, a name too long, a loop of symlinks
+            raise DataOrConfigError(f"{label}: {path!r} is not a usable path ({e})") from None
+        if not parent.is_dir():
+            raise DataOrConfigError(f"{label}: {p} cannot be created: {parent} is not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise DataOrConfigError(f"{label}: {p} cannot be created: {parent} is not writable")
+
+    where("checkpoint.dir (--ckpt-dir)", cfg.checkpoint.dir, folder=True)
+    where("tracking.heartbeat_file (--heartbeat-file)", cfg.tracking.heartbeat_file, folder=False)
+    data = Path(cfg.data.dir)
+    if data.exists() and not data.is_dir():
+        raise DataOrConfigError(f"data.dir (--data-dir): {data} exists and is not a folder")
+    uri = cfg.budget.curr_cost_uri
+    if cfg.budget.cap_usd is not None and not uri.startswith(("http://", "https://")) and Path(uri).is_dir():
+        raise DataOrConfigError(f"budget.curr_cost_uri (--budget-curr-cost-uri): {uri} is a folder, expected budget.json")
+
+
+def check_device(cfg: RunConfig) -> None:
+    """train.device=cuda needs a GPU this process can use (under torchrun, one per local rank)."""
+    if cfg.train.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise DataOrConfigError("train.device: cuda, but no CUDA GPU is usable here (torch.cuda.is_available() is "
+                                "False: no GPU, no driver, or a CPU build of torch); use --set train.device=auto or cpu")
+    local = os.environ.get("LOCAL_RANK", "0")
+    count = torch.cuda.device_count()
+    if not local.isdigit() or int(local) >= count:
+        raise DataOrConfigError(f"train.device: cuda, but LOCAL_RANK={local} and only {count} GPU(s) are visible")
+
+
+def check_space(checkpointer: Checkpointer, loaded, model: torch.nn.Module) -> None:
+    """Room for one more checkpoint, found before training: a save that fails on a full disk
+    costs the steps since the last one, and a relaunch into the same full disk would train them
+    again only to fail again. Failing here, in seconds, lets the watchdog's give-up rule end it."""
+    if loaded is not None:
+        need = sum(f.stat().st_size for f in loaded.path.iterdir() if f.is_file())
+    else:  # fp32 weights + AdamW's two fp32 moments, plus the state and marker
+        need = sum(p.numel() for p in model.parameters()) * 4 * 3 + (1 << 20)
+    checkpointer.check_space(need)
 
 
 def earlier_start(cfg: RunConfig) -> dict[str, Any]:
@@ -659,9 +754,14 @@ def earlier_start(cfg: RunConfig) -> dict[str, Any]:
 
     try:
         saved = json.loads((Path(cfg.checkpoint.dir) / "mlflow-run.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
-    return saved if isinstance(saved, dict) and saved.get("config_hash") == cfg.config_hash() else {}
+    if not isinstance(saved, dict) or saved.get("config_hash") != cfg.config_hash():
+        return {}
+    started = saved.get("started")
+    ok = isinstance(saved.get("run_id"), str) and (started is None or (
+        isinstance(started, (int, float)) and not isinstance(started, bool) and math.isfinite(started)))
+    return saved if ok else {}
 
 
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str):
@@ -704,7 +804,11 @@ def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str |
     if marker.is_file():
         import json
 
-        deaths = int(json.loads(marker.read_text()).get("deaths", 0))
+        try:
+            saved = json.loads(marker.read_text()).get("deaths", 0)
+            deaths = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else 0
+        except (OSError, ValueError, AttributeError, RecursionError):
+            deaths = 0  # a damaged marker: counted again from here
     if previous_heartbeat is not None and previous_heartbeat.phase == "compiling" and previous_heartbeat.pid != os.getpid():
         deaths += 1
         write_json_atomic(marker, {"deaths": deaths})
@@ -805,6 +909,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     from x1_pretrain.budget_guard import BudgetGuard
 
     started = time.monotonic()  # the start-up a restart costs is measured from here (budget_guard.Pace)
+    check_device(cfg)
+    check_paths(cfg)
     d = D.init(cfg.train.device)
     if not d.is_main:  # one voice: rank 0 logs, the others speak only of problems
         logging.getLogger().setLevel(logging.WARNING)
@@ -840,7 +946,10 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         state = loaded.state
         state.restarts += 1
         state.config = cfg.resolved()
-        restore_rng(state.rng)
+        try:
+            restore_rng(state.rng)
+        except CheckpointError as e:
+            raise DataOrConfigError(f"{loaded.path}: {e}") from None
         state.run_started = state.run_started or time.time() - state.train_seconds  # older checkpoints
         log.info("resuming from %s at step %d (%d tokens seen)", loaded.path, state.step, state.tokens_seen)
     else:
@@ -871,7 +980,13 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
 
     raw = Transformer(cfg.model)
     if loaded is not None:
-        raw.load_state_dict(loaded.model_state, strict=True)
+        try:
+            raw.load_state_dict(loaded.model_state, strict=True)
+        except RuntimeError as e:  # a verified folder whose tensors are not this model's
+            raise DataOrConfigError(f"{loaded.path}: the weights do not fit this config's model: "
+                                    f"{str(e).splitlines()[0][:300]}") from None
+    if d.is_main:
+        check_space(checkpointer, loaded, raw)
     raw.to(d.device)
     backend = attention_backend(cfg.model, d.device)
     raw.set_attention_backend(backend)
@@ -888,7 +1003,11 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     optimizer = torch.optim.AdamW(param_groups(raw, cfg.optim.weight_decay), lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=fused)
     if loaded is not None:
-        load_optimizer(raw, optimizer, loaded.optim_state)
+        try:
+            load_optimizer(raw, optimizer, loaded.optim_state)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise DataOrConfigError(f"{loaded.path}: its optimizer state does not fit this model's optimizer "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
 
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     previous_heartbeat = sink.heartbeat.previous()
@@ -987,11 +1106,25 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, DataError, DataOrConfigError) as e:
             log.error("%s", e)
             return ExitCode.USAGE
+        except CheckpointError:
+            raise
+        except OSError as e:
+            # A path that passed check_paths and still failed (a full disk, a race, a mount gone):
+            # said in a line, and a crash to the watchdog (relaunch with backoff, then give up).
+            log.error("setup failed: %s; exit 1", e)
+            return 1
         if isinstance(run, int):
             return run
         if stop.requested:  # SIGTERM during setup: nothing new to save
             return ExitCode.PREEMPTED
         return train_loop(run)
+    except CheckpointError as e:
+        # A full disk above all. Exit 1 is a crash to the watchdog: it relaunches with backoff
+        # (space may come back), the relaunch stops in check_space within seconds if it has not,
+        # and --max-restarts inside the window ends the loop with an alert.
+        log.error("%s", e)
+        log.error("exit 1: checkpoint not written (the watchdog relaunches; it gives up after --max-restarts)")
+        return 1
     finally:
         if run is not None and not isinstance(run, int):
             run.batches.close()

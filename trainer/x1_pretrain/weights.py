@@ -14,6 +14,7 @@ it is written from the same weights (bit-exact resume, the DoD's round trip).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from x1_common.contracts import parse_json_strict, read_file_bytes
 from x1_common.fsutil import write_bytes_atomic
 from x1_pretrain.config import ConfigError, ModelConfig, model_config_from_json
+
+log = logging.getLogger("x1.weights")
 
 METADATA_KEY = "x1"
 FORMAT = "x1-llama-v1"
@@ -54,18 +58,24 @@ def save_weights(path: str | os.PathLike[str], state: dict[str, torch.Tensor], m
 def _open(path: str | os.PathLike[str]):
     try:
         return safe_open(str(path), framework="pt")
-    except SafetensorError as e:  # truncated, corrupt, or not safetensors at all
+    except (SafetensorError, OSError, ValueError) as e:  # truncated, corrupt, not safetensors, unreadable
         raise ConfigError(f"{path}: not a readable safetensors file: {e}") from None
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Our metadata ({"format", "model_config", "step", ...}); {} for a file that has none."""
+    """Our metadata ({"format", "model_config", "step", ...}); {} for a file that has none.
+    ConfigError for metadata that is not a JSON object."""
     with _open(path) as f:
         raw = (f.metadata() or {}).get(METADATA_KEY)
+    if not raw:
+        return {}
     try:
-        return json.loads(raw) if raw else {}
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: unreadable {METADATA_KEY!r} metadata: {e}") from None
+        meta = parse_json_strict(raw, what=f"{METADATA_KEY!r} metadata")
+    except ValueError as e:
+        raise ConfigError(f"{path}: unreadable {e}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path}: {METADATA_KEY!r} metadata is not a JSON object")
+    return meta
 
 
 def load_weights(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
@@ -74,29 +84,67 @@ def load_weights(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],
     metadata = read_metadata(path)
     if "model_config" not in metadata:
         raise ConfigError(f"{path}: no model config in the safetensors metadata; not an X1 weights file")
+    if not isinstance(metadata["model_config"], dict):
+        raise ConfigError(f"{path}: the model config in the safetensors metadata is not an object")
     cfg = model_config_from_json(json.dumps(metadata["model_config"]))
     with _open(path) as f:
         try:
             state = {k: f.get_tensor(k) for k in f.keys()}
-        except SafetensorError as e:
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ConfigError(f"{path}: not a readable safetensors file: {e}") from None
     return state, cfg, metadata
 
 
 def resolve_weights_path(path: str | os.PathLike[str]) -> Path:
-    """A .safetensors file, a step_XXXXXXXX/ folder, or a checkpoint dir (its final or latest)."""
+    """A .safetensors file, a step_XXXXXXXX/ folder, or a checkpoint dir (its final, else its
+    newest checkpoint that verifies).
+
+    A step folder is used only when it verifies (its completion marker's hashes match), so a
+    reader never builds a model from a torn save (a folder named explicitly that holds a
+    model.safetensors and no marker at all is taken as it is, with a warning). The `latest` pointer is a hint only: when it
+    is unreadable, names no step folder or names one that does not verify, the newest folder
+    that verifies is taken, with a warning naming what was skipped. ConfigError when the path
+    holds nothing usable, naming what was found wrong; FileNotFoundError when it does not exist."""
+    from x1_pretrain.checkpoint import MARKER, MODEL_FILE, STEP_DIR, Checkpointer
+
     p = Path(path)
     if p.is_file():
         return p
-    if (p / "model.safetensors").is_file():
-        return p / "model.safetensors"
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no weights file (no such file or folder)")
+    if not p.is_dir():
+        raise ConfigError(f"{p}: not a weights file nor a folder")
+    ckpt = Checkpointer(p.parent if STEP_DIR.match(p.name) or (p / MARKER).exists() else p, 1, ModelConfig())
+    if (p / MARKER).exists() or (p / MARKER).is_symlink():  # a step folder as the trainer writes it
+        problem = ckpt.verify(p)
+        if problem is not None:
+            raise ConfigError(f"{p}: checkpoint does not verify: {problem}")
+        return p / MODEL_FILE
+    if (p / MODEL_FILE).is_file():  # a folder someone assembled: theirs to vouch for
+        log.warning("%s has no %s: its %s is used unverified", p, MARKER, MODEL_FILE)
+        return p / MODEL_FILE
     if (p / "final.safetensors").is_file():
         return p / "final.safetensors"
-    latest = p / "latest"
-    if latest.is_file():
-        step_dir = p / latest.read_text().strip()
-        if (step_dir / "model.safetensors").is_file():
-            return step_dir / "model.safetensors"
+    pointed = None
+    try:
+        text = read_file_bytes(p / "latest", max_bytes=4096).decode("utf-8").strip()
+        pointed = text if STEP_DIR.match(text) else None
+    except (OSError, ValueError):
+        pass
+    skipped = []
+    if pointed is not None:
+        problem = ckpt.verify(p / pointed)
+        if problem is None:
+            return p / pointed / MODEL_FILE
+        skipped.append(f"{pointed} (named by latest): {problem}")
+    newest, failed = ckpt.verify_all()
+    skipped += [f"{d.name}: {why}" for d, why in failed if d.name != pointed]
+    if newest is not None:
+        if skipped:
+            log.warning("%s: using %s; skipped %s", p, newest.name, "; ".join(skipped))
+        return newest / MODEL_FILE
+    if skipped:
+        raise ConfigError(f"{p}: no final.safetensors and no checkpoint that verifies ({'; '.join(skipped)})")
     raise FileNotFoundError(f"{p}: no weights file (expected a .safetensors file, a step_* folder or a checkpoint dir)")
 
 
@@ -105,5 +153,9 @@ def model_from_weights(path: str | os.PathLike[str], device: str | torch.device 
 
     state, cfg, _ = load_weights(path)
     model = Transformer(cfg)
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # tensors missing, extra or of other shapes than the config says
+        raise ConfigError(f"{path}: the weights do not fit the model config in its metadata: "
+                          f"{str(e).splitlines()[0][:300]}") from None
     return model.to(device)

@@ -16,11 +16,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from x1_common.contracts import CLOCK_SKEW_S, finite_number, parse_json_strict, read_file_bytes, read_json_file
 from x1_common.fsutil import write_json_atomic
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+
+
+def _plain_int(v: Any, signed: bool = False) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and (signed or v >= 0)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def iso_time(t: float | None = None) -> str:
@@ -54,12 +64,32 @@ class EventLog:
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every event in the file, oldest first (an empty list when there is no file yet)."""
+    """Every event in the file, oldest first (an empty list when there is no file yet).
+
+    The file is appended to by a watchdog that may die mid-line (a power cut, a full disk): a line
+    that is not a JSON object (torn, not UTF-8, garbage) is skipped with a warning naming its
+    line number, never a reason to lose the others."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = read_file_bytes(path)
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    events, bad = [], []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json_strict(line, what=f"line {n}")
+        except ValueError:
+            bad.append(n)
+            continue
+        if isinstance(record, dict) and isinstance(record.get("event"), str):
+            events.append(record)
+        else:
+            bad.append(n)
+    if bad:
+        log.warning("events file %s: skipped %d line(s) that are not events (line %s)", path, len(bad),
+                    ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else ""))
+    return events
 
 
 class StateError(Exception):
@@ -73,6 +103,15 @@ class StateStore:
     once set, no watchdog relaunches anything until a person passes --reset-state. `restart_times`
     are the wall-clock times of relaunches, so the give-up window survives a watchdog restart.
     `instance_id` is the instance being followed in provider mode (a Lambda relaunch gets a new id).
+
+    A damaged state file is read conservatively. When the whole file cannot be read (not UTF-8,
+    not JSON, not a version-1 object), or its `final` is not a decision we can read, nobody can
+    tell whether a final decision was there: StateError, and the watchdog refuses to start (exit
+    2) rather than relaunch a run that may have stopped for its budget. Damage anywhere else
+    only costs bookkeeping and is repaired with a warning: `restart_times` keeps only finite
+    times that are not in the future (a relaunch never made must not count towards giving up),
+    a bad `starts` counts as a run in progress (the trainer resumes, it never starts over), a bad
+    `restarts_total` is recounted, and other fields of the wrong type are dropped.
     """
 
     def __init__(self, path: str | os.PathLike[str], fresh: bool = False) -> None:
@@ -86,28 +125,53 @@ class StateStore:
 
     def _load(self) -> dict[str, Any]:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            # NaN / Infinity parse (as Python writes them): _repair drops them where they are.
+            data = read_json_file(self.path, finite=False)
         except FileNotFoundError:
             return self._empty()
-        except OSError as e:
-            raise StateError(f"state file {self.path}: cannot read it ({e})") from e
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except ValueError as e:
             raise StateError(
-                f"state file {self.path}: not JSON ({e}); inspect it, then pass --reset-state to start afresh"
-            ) from e
+                f"state file {self.path}: {str(e).removeprefix(str(self.path) + ': ')}; it may have held a final "
+                "decision, so nothing is relaunched: inspect it, then pass --reset-state to start afresh"
+            ) from None
         if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
             raise StateError(
                 f"state file {self.path}: not a version-{STATE_VERSION} watchdog state; "
                 "pass --reset-state to start afresh"
             )
-        for key, kind in (("restart_times", list), ("starts", int), ("restarts_total", int)):
-            if not isinstance(data.get(key), kind):
-                raise StateError(f"state file {self.path}: field {key!r} missing or not a {kind.__name__}")
         final = data.get("final")
-        if final is not None and not (isinstance(final, dict) and isinstance(final.get("exit_code"), int)):
-            raise StateError(f"state file {self.path}: field 'final' must hold an integer exit_code")
+        if final is not None and not (isinstance(final, dict) and _plain_int(final.get("exit_code"), signed=True)):
+            raise StateError(f"state file {self.path}: field 'final' must hold an integer exit_code "
+                             "(it may be a final decision, so nothing is relaunched); pass --reset-state to start afresh")
+        return self._repair(data)
+
+    def _repair(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Fields other than `final` made usable; each repair is logged."""
+        fixes: list[str] = []
+        times = data.get("restart_times")
+        if not isinstance(times, list):
+            fixes.append(f"restart_times {_short(times)} is not a list: no relaunch counted")
+            times = []
+        limit = time.time() + CLOCK_SKEW_S
+        kept = [float(t) for t in times if finite_number(t) is not None and float(t) <= limit]
+        if len(kept) != len(times):
+            dropped = [t for t in times if finite_number(t) is None or float(t) > limit]
+            fixes.append(f"restart_times: dropped {len(dropped)} entr{'y' if len(dropped) == 1 else 'ies'} that are "
+                         f"not past times ({_short(dropped)})")
+        data["restart_times"] = kept
+        if not _plain_int(data.get("starts")):
+            fixes.append(f"starts {_short(data.get('starts'))} is not a count: taken as a run in progress (resume)")
+            data["starts"] = 1
+        if not _plain_int(data.get("restarts_total")):
+            fixes.append(f"restarts_total {_short(data.get('restarts_total'))} is not a count: recounted as {len(kept)}")
+            data["restarts_total"] = len(kept)
+        for key, kinds in (("trainer", dict), ("last_exit", dict), ("instance_id", str), ("origin_instance_id", str)):
+            value = data.get(key)
+            if value is not None and not isinstance(value, kinds):
+                fixes.append(f"{key} {_short(value)} is not a {kinds.__name__}: dropped")
+                data[key] = None
+        for fix in fixes:
+            log.warning("state file %s: %s", self.path, fix)
         return data
 
     @staticmethod
