@@ -575,8 +575,10 @@ def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predic
 
     injected = record.flagged("spike_injected")
     window = (injected[0], injected[-1]) if injected else None
+    flagged = set(record.flagged("spike"))  # spike_loss holds the injected steps' losses too
     plots.loss_curve(out / "loss-curve.png", record.get("loss"), record.get("val_loss"), band=band,
-                     predicted=predicted, title=f"{title}: loss", injection=window, spikes=record.get("spike_loss"))
+                     predicted=predicted, title=f"{title}: loss", injection=window,
+                     spikes=[(s, v) for s, v in record.get("spike_loss") if s in flagged])
     plots.gradnorm_curve(out / "gradnorm-curve.png", record.get("grad_norm"), record.get("param_norm"), clip=clip,
                          title=f"{title}: gradient and parameter norms", injection=window)
     wall = record.get("wall_hours")
