@@ -265,9 +265,9 @@ def mark_pending(check: Check) -> Check:
     """Check 6 on the instance itself, before its terminate: it cannot pass yet."""
     if check.ok:
         return check
-    return replace(check, pending=True, reason=f"pending: {check.reason}. The instance running this is still up: "
-                   "--terminate-on-finish writes termination.json here after its terminate; else save the "
-                   "dashboard's screenshot here as termination.png. Then run dod on this folder again")
+    return replace(check, pending=True, reason="the instance running this check is still up: --terminate-on-finish "
+                   "adds the provider's answer here as termination.json after its terminate; otherwise terminate it "
+                   "yourself, save the dashboard's screenshot here as termination.png and run dod on this folder again")
 
 
 def render(checks: list[Check]) -> str:
