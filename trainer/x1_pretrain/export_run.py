@@ -48,7 +48,7 @@ from x1_common.contracts import (
     scrub_record,
     utc_now,
 )
-from x1_common.fsutil import fsync_dir, sha256_file, write_json_atomic, write_text_atomic
+from x1_common.fsutil import fsync_dir, make_readable, sha256_file, write_json_atomic, write_text_atomic
 
 # The export is run by a person waiting at a prompt: MLflow's own client would retry an
 # unreachable server 7 times with backoff; we retry a few times ourselves and say so.
@@ -892,12 +892,9 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         draw_figures(tmp, record, band, manifest["predicted_val_loss"], clip, title, manifest.get("restart_cost"))
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / "manifest.json", manifest)  # last: a folder with a manifest is complete
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; the run folder is for reading
+        make_readable(tmp)  # mkdtemp made it private; the run folder is for reading
         for p in tmp.iterdir():
             if p.is_file():
-                os.chmod(p, 0o666 & ~umask)
                 _fsync_file(p)
         _swap_into_place(tmp, out)
     except BaseException:

@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     umask = os.umask(0)
     os.umask(umask)
     for path in (output, *plots_written):
-        os.chmod(path, 0o666 & ~umask)  # atomic writes start private; these are for reading
+        os.chmod(path, 0o666 & ~umask)  # for reading, like every file a person gets from us
     print(f"wrote {output}" + (f" and {', '.join(p.name for p in plots_written)}" if plots_written else "")
           + ": fill in the TODO(person) prompts")
     return 0
