@@ -147,3 +147,34 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert dod.main([str(tmp_path), "--band", "3.5", "3.2"]) == 2
     assert "LO must be below HI" in capsys.readouterr().err
     assert not (tmp_path / "dod.json").exists()
+
+
+def test_a_folder_that_is_not_a_run_folder_exits_2_and_gets_no_dod_json(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("someone's folder\n")
+    assert dod.main([str(tmp_path)]) == 2
+    assert "is not a run folder (no manifest.json)" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_on_the_instance_check_6_is_pending_and_a_recheck_after_the_terminate_passes_it(
+        run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    record = (run_copy / "termination.json").read_text()
+    (run_copy / "termination.json").unlink()
+    assert dod.main([str(run_copy), *fitted_band(run_copy), "--termination-pending"]) == dod.EXIT_PENDING
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith(" 6  instance terminated"))
+    assert "PENDING" in line and "FAIL" not in out and "5 of 6 checks pass" in out
+    report = json.loads((run_copy / "dod.json").read_text())
+    assert report["passed"] is False and report["pending"] == [6]
+
+    assert dod.recheck_termination(run_copy).ok is False  # nothing new: still not terminated
+    (run_copy / "termination.json").write_text(record)  # what the watchdog writes after its terminate
+    assert dod.recheck_termination(run_copy).ok is True
+    report = json.loads((run_copy / "dod.json").read_text())
+    assert report["passed"] is True and report["pending"] == [] and "6" in report["rechecked_utc"]
+
+    # Pending never hides a real failure: another failing check still exits 1.
+    (run_copy / "termination.json").unlink()
+    (run_copy / "spike-postmortem.md").unlink()
+    assert dod.main([str(run_copy), *fitted_band(run_copy), "--termination-pending"]) == 1

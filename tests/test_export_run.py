@@ -389,3 +389,97 @@ def test_a_day_of_metrics_exports_in_seconds(spiked_run: SpikedRun, tmp_path: Pa
     rows = read_csv_rows(tmp_path / "run" / "metrics.csv")
     assert len(rows) == len(metrics)
     assert seconds < 20, f"export of 84k points took {seconds:.1f} s"  # ~4 s on 2 busy cores
+
+
+def test_a_preempted_then_finished_run_ends_finished_without_the_preemption_as_its_detail(spiked_run: SpikedRun,
+                                                                                          tmp_path: Path) -> None:
+    # A trainer of before the fix left the preemption's x1.end_reason beside the finish's x1.end.
+    uri = f"sqlite:///{tmp_path / 'stale.db'}"
+    new_run(uri, spiked_run, [("loss", 5.0, 1000, 10)], tags={"x1.end": "finished", "x1.end_reason": "preempted"})
+    assert export_main("--mlflow-uri", uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(spiked_run.ckpt)) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["end"] == "finished"
+    assert manifest["end_detail"].startswith("tag x1.end; MLflow status FINISHED")
+    assert "left by an earlier exit" in manifest["end_detail"]
+    # The trainer's own detail, when consistent, is kept as it is.
+    uri2 = f"sqlite:///{tmp_path / 'fresh.db'}"
+    new_run(uri2, spiked_run, [("loss", 5.0, 1000, 10)],
+            tags={"x1.end": "finished", "x1.end_reason": "total steps reached (step 70)"})
+    assert export_main("--mlflow-uri", uri2, "--output", str(tmp_path / "run2"), "--ckpt-dir", str(spiked_run.ckpt)) == 0
+    assert json.loads((tmp_path / "run2" / "manifest.json").read_text())["end_detail"] == "total steps reached (step 70)"
+
+
+def test_the_predicted_val_loss_is_never_worse_than_a_uniform_guess(spiked_run: SpikedRun) -> None:
+    manifest = json.loads((spiked_run.run_dir / "manifest.json").read_text())
+    uniform = math.log(50257)
+    basis = manifest["predicted_val_loss_basis"]
+    assert basis["fit_value"] > uniform  # the tiny run: 3.3M parameters, 36k tokens, far outside the fit
+    assert manifest["predicted_val_loss"] == round(uniform, 4) and basis["in_fit_range"] is False
+    assert "worse than a uniform guess" in basis["note"] and "outside the fit's" in basis["note"]
+    assert manifest["planned_val_loss"]["value"] <= uniform
+    from x1_pretrain.accounting import chinchilla_loss, predicted_loss
+
+    seed = predicted_loss(88.9e6, 84_000 * 524_288, 50257)  # the seed's 50M run: inside the fit, unchanged
+    assert seed.in_fit_range and seed.note is None and seed.value == chinchilla_loss(88.9e6, 84_000 * 524_288) < 3.5
+
+
+def test_restart_cost_without_watchdog_events_comes_from_the_trainers_metrics(spiked_run: SpikedRun,
+                                                                               tmp_path: Path) -> None:
+    # Two starts: the first logs steps 5..20, the second resumes from step 10 (a kill at 22).
+    t0 = 1_800_000_000.0
+    first = [("startup_seconds", 12.5, 1_000, 1), ("first_step_unix", t0 + 12.5, 1_000, 1)]
+    first += [("loss", 9.0 - s / 10, 1_000 + s * 100, s) for s in (5, 10, 15, 20)]
+    second = [("restart", 1.0, 9_000, 10), ("startup_seconds", 8.0, 9_500, 11), ("first_step_unix", t0 + 40.0, 9_500, 11),
+              ("downtime_seconds", 21.0, 9_500, 11)]
+    second += [("loss", 8.0 - s / 10, 9_500 + s * 100, s) for s in (15, 20, 25)]
+    uri = f"sqlite:///{tmp_path / 'starts.db'}"
+    new_run(uri, spiked_run, first + second)
+    assert export_main("--mlflow-uri", uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(spiked_run.ckpt)) == 0
+    cost = json.loads((tmp_path / "run" / "manifest.json").read_text())["restart_cost"]
+    assert [(s["first_step"], s["startup_seconds"]) for s in cost["starts"]] == [(1, 12.5), (11, 8.0)]
+    assert cost["restarts"] == [{"restart": 1, "resumed_first_step": 11, "startup_seconds": 8.0, "downtime_seconds": 21.0,
+                                 "source": "trainer (MLflow downtime_seconds)"}]
+    assert cost["downtime_seconds_total"] == 21.0 and "last heartbeat" in cost["downtime_note"]
+
+
+def test_restart_cost_with_events_is_the_exit_to_the_relaunched_first_step_and_a_gap_without_one_is_not_measured(
+        spiked_run: SpikedRun, tmp_path: Path) -> None:
+    from x1_watchdog.records import iso_time
+
+    t0 = 1_800_000_000.0
+    metrics = [("startup_seconds", 10.0, 1_000, 1), ("first_step_unix", t0 + 10.0, 1_000, 1),
+               ("restart", 1.0, 60_000, 10), ("startup_seconds", 6.0, 60_000, 11), ("first_step_unix", t0 + 60.0, 60_000, 11)]
+    events = [{"event": "start", "time": iso_time(t0)},
+              {"event": "exit", "exit_code": 75, "time": iso_time(t0 + 50.0)},
+              {"event": "relaunch", "exit_code": 75, "reason": "preempted", "downtime_seconds": 2.0,
+               "time": iso_time(t0 + 52.0)},
+              {"event": "start", "time": iso_time(t0 + 52.0)},
+              {"event": "exit", "exit_code": 137, "time": iso_time(t0 + 100.0)},  # killed
+              {"event": "relaunch", "exit_code": 137, "reason": "killed", "downtime_seconds": 4.0,
+               "time": iso_time(t0 + 104.0)},
+              {"event": "start", "time": iso_time(t0 + 104.0)},
+              {"event": "exit", "exit_code": 1, "time": iso_time(t0 + 106.0)}]  # died before its first step
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    uri = f"sqlite:///{tmp_path / 'events.db'}"
+    new_run(uri, spiked_run, metrics)
+    assert export_main("--mlflow-uri", uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(spiked_run.ckpt),
+                       "--events-file", str(path)) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    one, two = manifest["restart_cost"]["restarts"]
+    assert (one["reason"], one["downtime_seconds"], one["relaunch_delay_seconds"], one["startup_seconds"]) == \
+        ("preempted", 10.0, 2.0, 6.0)
+    assert two["reason"] == "killed" and two["downtime_seconds"] is None and two["why"].startswith("not measured")
+    assert manifest["restart_cost"]["downtime_seconds_total"] is None and manifest["restarts"] == 2
+
+
+def test_the_throughput_plot_breaks_its_line_at_each_restart() -> None:
+    from x1_pretrain.export_run import _gaps, _segments
+
+    tps = [(10, 100.0), (20, 110.0), (30, 120.0), (40, 90.0), (50, 95.0)]
+    wall = [(10, 0.1), (20, 0.2), (30, 0.3), (40, 0.5), (50, 0.6)]
+    assert _segments(tps, wall, [20]) == [[(0.1, 100.0), (0.2, 110.0)], [(0.3, 120.0), (0.5, 90.0), (0.6, 95.0)]]
+    assert _segments(tps, wall, [20, 30]) == [[(0.1, 100.0), (0.2, 110.0)], [(0.3, 120.0)], [(0.5, 90.0), (0.6, 95.0)]]
+    assert _segments(tps, wall, []) == [[(h, v) for (_, h), (_, v) in zip(wall, tps, strict=True)]]
+    assert _gaps(tps, wall, [20, 30], {20: 42.4}) == [
+        (0.2, 0.3, "restart: 42 s from the exit to the next step"), (0.3, 0.5, "restart (downtime not measured)")]

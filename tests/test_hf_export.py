@@ -4,6 +4,8 @@ and the folder appears complete or not at all."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -244,3 +246,13 @@ def test_quantized_inference_bench_runs_end_to_end_on_the_cpu(bench, tmp_path, c
         assert abs(results[mode]["loss"] - results["bf16"]["loss"]) < 0.05
         assert all(tps > 0 for tps in results[mode]["tokens_per_sec"].values())
     assert "$2.00/h" in printed
+
+
+def test_the_export_folder_and_every_file_in_it_get_the_umasks_permissions(tiny_export):
+    _, out = tiny_export
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's 0700
+    files = list(out.iterdir())
+    assert "model.safetensors" in {f.name for f in files}
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o666 & ~umask for f in files}

@@ -62,6 +62,88 @@ def test_postmortem_names_the_injected_step_and_its_recovery(spiked_run: SpikedR
     assert_only_prompts(text)
 
 
+def evidence_rows(text: str) -> dict[int, list[str]]:
+    """The per-step table of a spike section: step -> [role, loss, grad norm, clipped]."""
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", text, re.M)
+    return {int(r[0]): [c.strip() for c in r[1:]] for r in rows}
+
+
+def test_each_flagged_and_injected_step_shows_its_grad_norm_and_whether_clipping_fired(spiked_run: SpikedRun) -> None:
+    text = (spiked_run.run_dir / "spike-postmortem.md").read_text()
+    histories = mlflow_histories(spiked_run.uri, spiked_run.run_id)
+    injected = {m.step for m in histories["spike_injected"] if m.value >= 0.5}
+    flagged = {m.step for m in histories.get("spike", []) if m.value >= 0.5}
+    assert injected == set(range(SPIKE_AT + 1, SPIKE_AT + 6))
+    grads = {m.step: m.value for m in histories["spike_grad_norm"]}
+    decisions = {m.step: m.value for m in histories["spike_clipped"]}
+    assert set(grads) == set(decisions) == injected | flagged  # the trainer logged every one of them
+    rows = evidence_rows(text)
+    for step in sorted(injected | flagged):
+        role, _, grad, clipped = rows[step]
+        assert ("injected" in role) == (step in injected) and ("flagged" in role) == (step in flagged), role
+        assert grad == f"{grads[step]:.4g}", (step, grad)
+        assert clipped == ("yes" if grads[step] > 1.0 else "no"), (step, clipped)
+        assert decisions[step] == float(grads[step] > 1.0)
+    fired = sorted(s for s in grads if grads[s] > 1.0)
+    summary = row(text, "clipping fired")
+    assert summary.startswith(f"yes: clipped at step(s) {', '.join(map(str, fired))}" if fired else "no: ")
+    assert "not measured" not in summary and "not measured" not in row(text, "grad norm")
+
+
+def test_a_run_that_logged_no_grad_norm_in_the_spike_says_not_measured_and_concludes_nothing(
+        spiked_run: SpikedRun, tmp_path: Path) -> None:
+    # A trainer of before this evidence: losses every 10 steps, no grad norm at the spike's steps
+    # nor at the log step after it, and no grad clip among its params.
+    metrics = [("loss", 12.0 if s == 110 else 4.0, s * 1000, s) for s in range(10, 201, 10)]
+    metrics += [("grad_norm", 0.5, s * 1000, s) for s in range(10, 101, 10)]  # only before the spike
+    metrics += [("spike_injected", 1.0, 101_000 + i, 101 + i) for i in range(5)]
+    uri = f"sqlite:///{tmp_path / 'old.db'}"
+    run_id = new_run(uri, spiked_run, metrics, params={"train.log_every": "10"})
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    client.delete_tag(run_id, "x1.config_name")
+    out = tmp_path / "spike-postmortem.md"
+    assert write(uri, out, "--run-id", run_id) == 0
+    text = out.read_text()
+    assert row(text, "grad norm").startswith("not measured: no grad norm was logged at step(s) 101, 102, 103, 104, "
+                                             "105, 110")
+    clipping = row(text, "clipping fired")
+    assert clipping.startswith("not measured") and "no conclusion" in clipping
+    assert not re.search(r"\b(yes|no):", clipping)
+    for step in (101, 102, 103, 104, 105, 110):
+        assert evidence_rows(text)[step][2:] == ["not measured", "not measured"], step
+    assert evidence_rows(text)[110][1] == "12.0000"  # what was logged is still reported
+
+
+def test_a_run_without_its_clip_threshold_or_losses_before_the_spike_draws_no_conclusion_from_them(
+        spiked_run: SpikedRun, tmp_path: Path) -> None:
+    metrics = [("loss", 9.0 if s == 10 else 4.0, s * 1000, s) for s in range(10, 101, 10)]
+    metrics += [("spike_grad_norm", 3.0, 10_000, 10), ("spike", 1.0, 10_000, 10)]
+    uri = f"sqlite:///{tmp_path / 'noclip.db'}"
+    from mlflow.tracking import MlflowClient
+
+    src = MlflowClient(spiked_run.uri).get_run(spiked_run.run_id)
+    run_id = new_run(uri, spiked_run, metrics)
+    client = MlflowClient(uri)
+    # Params cannot be deleted: a fresh run holds only the ones we choose.
+    exp = client.get_run(run_id).info.experiment_id
+    bare = client.create_run(exp, tags=src.data.tags)
+    from mlflow.entities import Metric
+
+    client.log_batch(bare.info.run_id, metrics=[Metric(k, v, ts, st) for k, v, ts, st in metrics])
+    client.set_terminated(bare.info.run_id)
+    out = tmp_path / "spike-postmortem.md"
+    assert write(uri, out, "--run-id", bare.info.run_id) == 0
+    text = out.read_text()
+    assert "grad clip not measured" in text and "lack optim.grad_clip" in text
+    assert row(text, "grad norm") == "3 at step 10, the largest of 1 measured, before clipping (clip threshold not logged)"
+    assert row(text, "clipping fired").startswith("not measured")  # 3.0 against an unknown threshold: no verdict
+    assert row(text, "loss before") == "not measured"
+    assert row(text, "recovery") == "not measured: no loss was logged before the spike"
+    assert "the logged losses are 10 steps apart" in text
+
+
 # Known losses: flat at 4.0, logged every 10 steps; the injection covers MLflow steps 101..105 and
 # the log at step 110 reads 12.0. With beta 0.98 a 10-step gap weighs w = 0.98**10 = 0.81707, so
 # the EMA at 110 is 4 + (1 - w) * 8 = 5.4634 and its excess over 4.0 shrinks by w per log:
@@ -93,8 +175,11 @@ def test_recovery_counts_steps_until_the_loss_ema_is_within_two_percent(spiked_r
     assert row(text, "loss before") == "4.0000 (step 100)"
     assert row(text, "peak loss") == "12.0000 (step 110)"
     assert row(text, "loss after") == "4.0000 (step 120)"
-    assert row(text, "grad norm") == "7 at step 110, before clipping (threshold 1)"
-    assert row(text, "clipping fired") == "yes: clipped at logged step(s) 110"
+    # The injected steps' own grad norms were not logged (no spike_grad_norm in this run): said so.
+    assert row(text, "grad norm") == ("7 at step 110, the largest of 1 measured, before clipping (threshold 1); "
+                                      "not measured at step(s) 101, 102, 103, 104, 105")
+    assert row(text, "clipping fired") == ("yes: clipped at step(s) 110; not measured at step(s) 101, 102, 103, 104, "
+                                           "105: no conclusion for those")
     assert row(text, "learning rate") == "1.000e-03 (step 110)"
     assert row(text, "val loss") == "4.1000 (step 100) before, 4.2000 (step 200) after"
     assert_png(tmp_path / "spike-postmortem-step-101.png")

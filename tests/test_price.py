@@ -104,3 +104,27 @@ def test_runpod_reads_the_gpu_type_price(tmp_path: Path) -> None:
 def test_usage_errors_exit_2_naming_the_problem(lambda_fake: FakeBilling, args, env, named) -> None:
     proc = run(price_cmd(*args, url=lambda_fake.url), **env)
     assert proc.returncode == 2 and named in proc.stderr
+
+
+def test_the_fallback_the_refusal_prints_runs_as_shown(lambda_fake: FakeBilling, tmp_path: Path) -> None:
+    import shlex
+
+    lambda_fake.control(price_usd_per_hr=3.3)
+    refused = run(price_cmd("--instance-type", "gpu_1x_a100_sxm4", "--max-usd-per-hr", "1.40", url=lambda_fake.url))
+    assert refused.returncode == 78
+    hint = refused.stdout.split("RunPod community (RUNPOD_API_KEY): ", 1)[1].splitlines()[0]
+    argv = shlex.split(hint)
+    assert argv[:3] == ["python", "-m", "budget_sidecar.price"] and "--instance-type" in argv
+    runpod = FakeBilling.start(tmp_path / "runpod", provider="runpod", instance_id="pod-1", api_key=KEY)
+    try:
+        proc = run([sys.executable, *argv[1:], "--api-url", runpod.url])
+        # Accepted as shown: a verdict on the community price (0 or 78), not a usage error (2).
+        assert proc.returncode in (0, 78), proc.stdout + proc.stderr
+        assert "runpod NVIDIA A100 80GB PCIe: price $" in proc.stdout and "launch" in proc.stdout
+        listed = run([sys.executable, "-m", "budget_sidecar.price", "--provider", "runpod", "--market", "community",
+                      "--list", "--api-url", runpod.url])
+        assert listed.returncode == 0 and "runpod (community) NVIDIA A100 80GB PCIe: $" in listed.stdout, listed.stderr
+    finally:
+        runpod.stop()
+    missing = run([sys.executable, "-m", "budget_sidecar.price", "--provider", "runpod", "--api-url", runpod.url])
+    assert missing.returncode == 2 and "--instance-type is required (or --list" in missing.stderr

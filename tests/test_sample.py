@@ -140,3 +140,22 @@ def test_cli_rejects_a_bad_knob_with_exit_2(checkpoint, flag, value, capsys):
         sample.main(["--checkpoint", str(checkpoint), flag, value])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_cli_without_max_new_tokens_fits_the_default_to_a_small_context(checkpoint, model, capsys, monkeypatch):
+    seen: dict[str, int] = {}
+    real_generate = sample.generate
+
+    def spy(m, prompt_ids, max_new_tokens, *args, **kwargs):
+        seen["max_new"] = max_new_tokens
+        return real_generate(m, prompt_ids, max_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(sample, "generate", spy)
+    assert model.cfg.seq_len < sample.DEFAULT_NEW_TOKENS + len(PROMPT)  # the tiny model: the default alone would not fit
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", "Once upon a time", "--no-stop-at-eot"]) == 0
+    assert seen["max_new"] == model.cfg.seq_len - len(PROMPT)
+    captured = capsys.readouterr()
+    assert captured.out.strip() and f"{seen['max_new']} new tokens at most" in captured.err
+    long_prompt = " ".join(["word"] * model.cfg.seq_len)
+    assert sample.main(["--checkpoint", str(checkpoint), "--prompt", long_prompt]) == 2
+    assert "leaves no room for a new one" in capsys.readouterr().err

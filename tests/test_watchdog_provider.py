@@ -6,6 +6,7 @@ system)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -224,3 +225,166 @@ def test_provider_mode_gives_up_after_max_restarts(wd: Workdir, fakes: Callable[
     assert keeper.events("give_up")[0]["reason"] == "instance-preempted"
     assert fake.state()["resume_calls"] == []
     assert wd.state["final"]["reason"] == "given-up"
+
+
+# --------------------------------------------------------------------------------------------
+# The finish: the trainer's run folder, then the terminate, on the workspace volume
+
+
+def test_the_finish_leaves_a_run_folder_that_passes_all_six_checks_after_the_terminate(
+    wd: Workdir, fakes: Callable[..., FakeBilling], tiny_data: Path
+):
+    from datetime import timedelta
+
+    from conftest import train_args
+    from x1_common.contracts import BudgetReading, utc_now
+
+    fake = fakes("lambda", "inst-1")
+    root = wd.root  # the /workspace layout: checkpoints/, logs/, budget.json, run/
+    reading = BudgetReading(spent_usd=2.5, rate_usd_per_hr=1.10, hours_elapsed=2.3, projected_total_usd=26.4,
+                            last_update_utc=utc_now() - timedelta(minutes=1), cap_usd=35.0, provider="lambda",
+                            instance_id="inst-1", source="provider-api")
+    (root / "budget.json").write_text(json.dumps(reading.to_dict()))
+    run_dir, termination = root / "run", root / "logs" / "termination.json"
+    trainer = [sys.executable, "-m", "x1_pretrain.train",
+               *train_args(tiny_data, root / "checkpoints", f"sqlite:///{root / 'mlflow.db'}", "--run-dir", str(run_dir),
+                           "--inject-spike-at-step", "6", total=16)]
+    log_path = root / "watchdog.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "x1_watchdog", "--heartbeat-file", str(root / "checkpoints" / "heartbeat.json"),
+             "--events-file", str(wd.events_file), "--state-file", str(wd.state_file), "--port", "0",
+             "--terminate-on-finish", "--provider", "lambda", "--api-url", fake.url, "--instance-id", "inst-1",
+             "--termination-file", str(termination), "--run-dir", str(run_dir), "--", *trainer],
+            stdout=log, stderr=subprocess.STDOUT, env=provider_env("lambda"), cwd=REPO, start_new_session=True)
+    wd.procs.append(proc)
+    assert proc.wait(300) == 0, log_path.read_text()[-4000:]
+    text = log_path.read_text()
+
+    # One sequence: the trainer's export, post-mortem and dod (check 6 pending), then the terminate.
+    assert text.index("1/3 export_run") < text.index("2/3 the spike post-mortem") < text.index("3/3 dod")
+    assert text.index("3/3 dod") < text.index("terminating lambda instance inst-1")
+    assert "PENDING" in text and fake.state()["instances"]["inst-1"]["status"] == "terminated"
+    assert wd.kinds() == ["start", "exit", "terminate"]
+    assert wd.events[-1]["run_folder"].startswith(f"termination.json added to {run_dir}; dod check 6 PASS")
+
+    # The provider's answer is in the run folder, the manifest and dod.json agree with it...
+    for name in ("manifest.json", "final.safetensors", "spike-postmortem.md", "dod.json", "termination.json"):
+        assert (run_dir / name).is_file(), name
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["termination"]["shows_terminated"] is True
+    from x1_common.fsutil import sha256_file
+
+    assert manifest["files"]["termination.json"] == sha256_file(run_dir / "termination.json")
+    report = json.loads((run_dir / "dod.json").read_text())
+    assert report["pending"] == [] and [c["ok"] for c in report["checks"]][5] is True
+    assert_no_key(*(p.read_text(errors="replace") for p in run_dir.iterdir() if p.suffix in (".json", ".md")), text)
+
+    # ...so a later dod on the folder, wherever it is read, passes all six (band: the tiny run's own).
+    moved = Path(shutil.copytree(run_dir, wd.root / "elsewhere" / "run"))
+    val = manifest["final_val_loss"]
+    proc = subprocess.run([sys.executable, "-m", "x1_pretrain.dod", str(moved), "--band", f"{val - 0.5:.3f}",
+                           f"{val + 0.5:.3f}"], capture_output=True, text=True, cwd=REPO, env=cli_env(), timeout=120)
+    assert proc.returncode == 0 and "all 6 checks pass" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_terminate_without_the_trainers_run_folder_still_terminates_and_says_the_folder_is_missing(
+    wd: Workdir, fakes: Callable[..., FakeBilling]
+):
+    fake = fakes("lambda", "inst-1")
+    rc = wd.run(["--steps", "1", "--step-seconds", "0.05"], "--terminate-on-finish", "--provider", "lambda",
+                "--api-url", fake.url, "--instance-id", "inst-1", "--termination-file", str(wd.root / "t.json"),
+                "--run-dir", str(wd.root / "run"), env=provider_env("lambda"))
+    assert rc == 0, wd.log()
+    assert fake.state()["instances"]["inst-1"]["status"] == "terminated"
+    assert wd.events[-1]["run_folder"] == f"missing: no manifest.json in {wd.root / 'run'}"
+    assert "no run folder at" in wd.log() and not (wd.root / "run").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# The repository's cloud-init, as provider mode sends it
+
+
+CLOUD_INIT = REPO / "cloud-init.yaml"
+
+
+def cloud_init_script(user_data: str) -> str:
+    import yaml
+
+    assert user_data.startswith("#cloud-config\n")
+    doc = yaml.safe_load(user_data)
+    (script,) = [f["content"] for f in doc["write_files"] if f["path"] == "/usr/local/bin/x1-up"]
+    assert any("/usr/local/bin/x1-up" in " ".join(map(str, cmd)) for cmd in doc["runcmd"])
+    return script
+
+
+def test_provider_mode_sends_the_repositorys_cloud_init_and_it_starts_the_stack_as_the_new_instance(
+    wd: Workdir, fakes: Callable[..., FakeBilling], tmp_path: Path
+):
+    fake = fakes("lambda", "inst-1", boot_seconds=0.3)
+    keeper = Keeper(wd, "lambda", fake, "inst-1", "--user-data-file", str(CLOUD_INIT), "--file-system-name", "x1-fs")
+    wait_until(lambda: keeper.events("start"), 30, "the instance seen running")
+    fake.control(preempt=True)
+    wait_until(lambda: keeper.events("relaunch"), 30, "the relaunch")
+    launch = fake.state()["launch_calls"][0]
+    new_id = launch["instance_id"]
+    # The file as shipped, with the name of the instance it launches in place of the placeholder.
+    assert launch["user_data"] == CLOUD_INIT.read_text().replace("__X1_INSTANCE_NAME__", launch["name"])
+    assert launch["file_system_names"] == ["x1-fs"]
+    fake.control(terminate=True, instance_id=new_id)
+    assert keeper.proc.wait(30) == 0, keeper.log()
+
+    # What that user-data runs on the new instance: the checkout on the persistent file system
+    # (here a folder), a `docker` that records what it is asked, the fake's Lambda API for the lookup.
+    fake2 = fakes("lambda", "inst-9")
+    renamed = fake2.url  # a second fake in which the launched instance is listed under its name
+    from x1_common.providers import make_client
+
+    found_id = make_client("lambda", renamed, API_KEY).launch("gpu_1x_a100_sxm4", "us-east-1", name=launch["name"],
+                                                              ssh_key_names=(), file_system_names=("x1-fs",),
+                                                              user_data=None)
+    checkout = tmp_path / "nfs" / "x1"
+    checkout.mkdir(parents=True)
+    (checkout / ".env").write_text(f"PROVIDER=lambda\nINSTANCE_ID=inst-1\nLAMBDA_API_KEY={API_KEY}\n"
+                                   f"PROVIDER_API_URL={renamed}\nX1_WORKSPACE=/lambda/nfs/x1-fs/workspace\n")
+    bin_dir, calls = tmp_path / "bin", tmp_path / "docker-calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(f"#!/bin/sh\necho \"$* DOCKER_GID=$DOCKER_GID $(grep ^INSTANCE_ID= .env)\" >> {calls}\n")
+    (bin_dir / "docker").chmod(0o755)
+    socket_file = tmp_path / "docker.sock"
+    socket_file.write_text("")
+    script = tmp_path / "x1-up"
+    script.write_text(cloud_init_script(launch["user_data"]))
+    env = cli_env(X1_DIR=str(checkout), DOCKER_SOCKET=str(socket_file), PATH=f"{bin_dir}:/usr/bin:/bin")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    gid = socket_file.stat().st_gid
+    assert calls.read_text().splitlines() == [f"compose build DOCKER_GID={gid} INSTANCE_ID={found_id}",
+                                              f"compose up -d DOCKER_GID={gid} INSTANCE_ID={found_id}"]
+    env_text = (checkout / ".env").read_text()
+    assert f"INSTANCE_ID={found_id}\n" in env_text and "INSTANCE_ID=inst-1" not in env_text
+    assert "X1_WORKSPACE=/lambda/nfs/x1-fs/workspace" in env_text and (checkout / ".env").stat().st_mode & 0o777 == 0o600
+    assert API_KEY not in proc.stdout + proc.stderr
+
+
+def test_the_first_instance_keeps_the_instance_id_of_its_env(tmp_path: Path):
+    checkout = tmp_path / "x1"
+    checkout.mkdir()
+    (checkout / ".env").write_text("INSTANCE_ID=inst-1\n")
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    (bin_dir / "docker").chmod(0o755)
+    (tmp_path / "sock").write_text("")
+    script = tmp_path / "x1-up"
+    script.write_text(cloud_init_script(CLOUD_INIT.read_text()))  # as the user gives it: no name filled in
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env=cli_env(X1_DIR=str(checkout), DOCKER_SOCKET=str(tmp_path / "sock"),
+                                      PATH=f"{bin_dir}:/usr/bin:/bin"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "first instance: INSTANCE_ID from .env" in proc.stdout
+    assert calls.read_text().splitlines() == ["compose build", "compose up -d"]
+    assert (checkout / ".env").read_text() == "INSTANCE_ID=inst-1\n"
+    missing = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                             env=cli_env(X1_DIR=str(tmp_path / "absent"), WAIT_SECONDS="0"))
+    assert missing.returncode == 1 and "is the file system attached" in missing.stdout

@@ -66,3 +66,16 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def make_readable(folder: str | os.PathLike[str]) -> None:
+    """Give a folder written for the user, and everything in it, the permissions the umask gives a
+    new file (0644/0755 under the usual 022). Temp folders and files start private (mkdtemp 0700,
+    mkstemp 0600; safetensors writes 0600 too): renamed into place as they are, they would stay so."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root = Path(folder)
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)

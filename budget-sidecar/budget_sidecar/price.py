@@ -3,6 +3,7 @@
 
     LAMBDA_API_KEY=... python -m budget_sidecar.price --provider lambda --instance-type gpu_1x_a100_sxm4 \\
         --max-usd-per-hr 1.40 [--wait --every-hours 4]
+    RUNPOD_API_KEY=... python -m budget_sidecar.price --provider runpod --market community --list
 
 Exit 0: the price is acceptable, launch. Exit 78: it is not (or it could not be read), do not
 launch. Exit 2: bad usage, an unknown instance type, a missing API key.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +25,24 @@ from x1_common.providers import LambdaClient, ProviderError, RunPodClient, api_k
 
 log = logging.getLogger("x1.price")
 
-FALLBACK_HINT = "the seed's fallback: RunPod community (python -m budget_sidecar.price --provider runpod --market community)"
+# The same GPU on RunPod, by the family in a Lambda instance type's name (gpu_1x_a100_sxm4 -> a100).
+RUNPOD_SAME_GPU = {"h200": "NVIDIA H200", "h100": "NVIDIA H100 80GB HBM3", "a100": "NVIDIA A100 80GB PCIe"}
+
+
+def fallback_hint(provider: str, instance_type: str, max_usd_per_hr: float, market: str) -> str:
+    """The seed's fallback as a command that runs as shown: RunPod community, same GPU."""
+    if provider == "runpod" and market == "community":
+        return ("the seed's fallback is RunPod community, which this is: --wait re-checks every 4 h, or list the "
+                "other GPUs: " + shlex.join(["python", "-m", "budget_sidecar.price", "--provider", "runpod",
+                                              "--market", "community", "--list"]))
+    same = instance_type if provider == "runpod" else next(
+        (gpu for family, gpu in RUNPOD_SAME_GPU.items() if family in instance_type.lower()), None)
+    cmd = ["python", "-m", "budget_sidecar.price", "--provider", "runpod", "--market", "community"]
+    if same is None:
+        return (f"the seed's fallback: RunPod community; {instance_type!r} has no RunPod equivalent known here, "
+                f"list its GPU types and prices: {shlex.join([*cmd, '--list'])}")
+    return ("the seed's fallback: RunPod community (RUNPOD_API_KEY): "
+            + shlex.join([*cmd, "--instance-type", same, "--max-usd-per-hr", f"{max_usd_per_hr:g}"]))
 
 
 class UnknownInstanceType(ValueError):
@@ -52,6 +71,7 @@ def check_until_acceptable(
     out: Callable[[str], None] = print,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    hint: str = "",
 ) -> int:
     """Check once, or with `wait` until the price is acceptable (or max_wait_s passes). Returns the exit code."""
     start = clock()
@@ -69,11 +89,23 @@ def check_until_acceptable(
             verdict = price
         waited = clock() - start
         if not wait or (max_wait_s is not None and waited + every_s > max_wait_s):
-            if verdict is not None:
-                out(FALLBACK_HINT)
+            if verdict is not None and hint:
+                out(hint)
             return ExitCode.LAUNCH_REFUSED
         out(f"re-checking in {every_s / 3600:.4g} h")
         sleep(every_s)
+
+
+def list_prices(client: LambdaClient | RunPodClient, provider: str, market: str, max_usd_per_hr: float) -> int:
+    try:
+        prices = client.instance_type_prices() if isinstance(client, LambdaClient) else client.gpu_type_prices(market)
+    except ProviderError as e:
+        print(f"cannot read the prices: {e}", file=sys.stderr)
+        return ExitCode.LAUNCH_REFUSED
+    where = provider if provider == "lambda" else f"runpod ({market})"
+    for name, price in sorted(prices.items(), key=lambda kv: (kv[1], kv[0])):
+        print(f"{where} {name}: ${price:.2f}/h" + ("" if price <= max_usd_per_hr else f" (over the max ${max_usd_per_hr:.2f}/h)"))
+    return ExitCode.FINISHED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--provider", choices=["lambda", "runpod"], required=True)
-    p.add_argument("--instance-type", required=True,
-                   help="Lambda instance type (gpu_1x_a100_sxm4) or RunPod GPU type id/name (NVIDIA A100 80GB PCIe)")
+    p.add_argument("--instance-type",
+                   help="Lambda instance type (gpu_1x_a100_sxm4) or RunPod GPU type id/name (NVIDIA A100 80GB PCIe); "
+                        "required unless --list")
+    p.add_argument("--list", action="store_true", help="print every offered type and its price now, then exit 0")
     p.add_argument("--max-usd-per-hr", type=float, default=1.40, help="the price ceiling, $/h (1.40)")
     p.add_argument("--wait", action="store_true", help="re-check until the price is acceptable instead of refusing")
     p.add_argument("--every-hours", type=float, default=4.0, help="hours between re-checks with --wait (4)")
@@ -107,12 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and (not math.isfinite(value) or value <= 0):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if not args.list and not args.instance_type:
+        parser.error("--instance-type is required (or --list to see the offered types)")
     setup_logging()
     try:
         client = make_client(args.provider, args.api_url, api_key_from_env(args.provider), timeout=args.http_timeout)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE
+
+    if args.list:
+        return list_prices(client, args.provider, args.market, args.max_usd_per_hr)
 
     def say(line: str) -> None:
         print(f"{args.provider} {args.instance_type}: {line}", flush=True)
@@ -125,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             every_s=args.every_hours * 3600.0,
             max_wait_s=None if args.max_wait_hours is None else args.max_wait_hours * 3600.0,
             out=say,
+            hint=fallback_hint(args.provider, args.instance_type, args.max_usd_per_hr, args.market),
         )
     except UnknownInstanceType as e:
         print(f"error: {e}", file=sys.stderr)

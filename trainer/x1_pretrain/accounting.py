@@ -7,6 +7,7 @@ norm weights not). The head counts the real vocabulary: padded rows do no useful
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from x1_pretrain.config import ModelConfig
@@ -133,6 +134,35 @@ def chinchilla_loss(n_params: float, n_tokens: float) -> float:
     """Predicted loss; N counts all parameters, embeddings included (Hoffmann's convention)."""
     c = CHINCHILLA
     return c["E"] + c["A"] / n_params ** c["alpha"] + c["B"] / max(n_tokens, 1.0) ** c["beta"]
+
+
+# What the fit was made on (Hoffmann 2022: models of 70M-16B parameters, 5B-500B tokens).
+CHINCHILLA_FIT_RANGE = {"params": (7e7, 1.6e10), "tokens": (5e9, 5e11)}
+
+
+@dataclass(frozen=True)
+class LossPrediction:
+    value: float  # nats/token, never above a uniform guess over the vocabulary
+    fit: float  # the fit's own number
+    in_fit_range: bool
+    note: str | None  # why `value` differs from `fit`, or why to trust it less
+
+
+def predicted_loss(n_params: float, n_tokens: float, vocab_size: int) -> LossPrediction:
+    """The Chinchilla fit's loss, bounded by ln(vocab): a model that learned nothing scores a
+    uniform guess, so a larger figure (a tiny model, a few thousand tokens) only says the fit does
+    not apply there."""
+    fit = chinchilla_loss(n_params, n_tokens)
+    uniform = math.log(vocab_size)
+    (p_lo, p_hi), (t_lo, t_hi) = CHINCHILLA_FIT_RANGE["params"], CHINCHILLA_FIT_RANGE["tokens"]
+    in_range = p_lo <= n_params <= p_hi and t_lo <= n_tokens <= t_hi
+    outside = ("" if in_range else f"{fmt_count(n_params)} parameters and {fmt_count(n_tokens)} tokens lie outside "
+               f"the fit's {fmt_count(p_lo)}-{fmt_count(p_hi)} parameters and {fmt_count(t_lo)}-{fmt_count(t_hi)} tokens")
+    if fit > uniform:
+        return LossPrediction(uniform, fit, in_range, f"the fit gives {fit:.2f}, worse than a uniform guess over "
+                              f"{vocab_size} tokens (ln {vocab_size} = {uniform:.2f}): capped there"
+                              + (f"; {outside}" if outside else ""))
+    return LossPrediction(fit, fit, in_range, outside or None)
 
 
 def chinchilla_optimal_tokens(n_params: float) -> float:

@@ -11,7 +11,10 @@
        instance record showing it terminated) or a screenshot termination.png
 
 Prints a table with a reason on every line and writes RUN_DIR/dod.json (atomically) for the demo
-and CI. Exit 0 only when all six pass.
+and CI. Exit 0 only when all six pass. A folder without manifest.json is not a run folder: exit 2,
+nothing written into it. `--termination-pending` is for the instance itself, before its terminate
+(python -m x1_pretrain.finish): a failing check 6 shows as PENDING, and exit 3 says that it is the
+only one not passing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,8 @@ DEFAULT_BAND = (3.20, 3.50)
 SPEC_CAP_USD = 35.0
 REQUIRED_VERSIONS = ("torch", "flash-attn", "transformers", "numpy")
 EXIT_FAILED = 1
+EXIT_PENDING = 3  # --termination-pending: checks 1-5 pass, the instance is not terminated yet
+TERMINATION_CHECK = 6
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -39,6 +44,7 @@ class Check:
     name: str
     ok: bool
     reason: str
+    pending: bool = False  # not passing yet, and not expected to before the instance is terminated
 
 
 def _load_manifest(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
@@ -255,16 +261,59 @@ def run_checks(run_dir: Path, band: tuple[float, float], cap_usd: float | None) 
     ]
 
 
+def mark_pending(check: Check) -> Check:
+    """Check 6 on the instance itself, before its terminate: it cannot pass yet."""
+    if check.ok:
+        return check
+    return replace(check, pending=True, reason="the instance running this check is still up: --terminate-on-finish "
+                   "adds the provider's answer here as termination.json after its terminate; otherwise terminate it "
+                   "yourself, save the dashboard's screenshot here as termination.png and run dod on this folder again")
+
+
 def render(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
-    lines = [f"{'#':>2}  {'check':<{width}}  result  reason"]
-    lines += [f"{c.number:>2}  {c.name:<{width}}  {'PASS' if c.ok else 'FAIL':<6}  {c.reason}" for c in checks]
-    failed = [c for c in checks if not c.ok]
+    lines = [f"{'#':>2}  {'check':<{width}}  result   reason"]
+    lines += [f"{c.number:>2}  {c.name:<{width}}  {'PASS' if c.ok else 'PENDING' if c.pending else 'FAIL':<7}  {c.reason}"
+              for c in checks]
+    failed = [c for c in checks if not c.ok and not c.pending]
+    pending = [c for c in checks if c.pending]
     if failed:
         lines.append(f"{len(failed)} of {len(checks)} checks FAIL: " + ", ".join(f"{c.number} ({c.name})" for c in failed))
-    else:
+    if pending:
+        lines.append(", ".join(f"check {c.number} ({c.name})" for c in pending) + " pending")
+    if not failed and not pending:
         lines.append(f"all {len(checks)} checks pass")
+    elif not failed:
+        lines.append(f"{len(checks) - len(pending)} of {len(checks)} checks pass")
     return "\n".join(lines)
+
+
+def exit_code(checks: list[Check]) -> int:
+    if all(c.ok for c in checks):
+        return 0
+    return EXIT_PENDING if all(c.ok or c.pending for c in checks) else EXIT_FAILED
+
+
+def report(run_dir: Path, checks: list[Check], band: tuple[float, float]) -> dict[str, Any]:
+    return {"run_dir": str(run_dir.resolve()), "passed": all(c.ok for c in checks), "checked_utc": format_utc(utc_now()),
+            "band": list(band), "pending": [c.number for c in checks if c.pending],
+            "checks": [asdict(c) for c in checks]}
+
+
+def recheck_termination(run_dir: Path) -> Check | None:
+    """Check 6 again, after the watchdog wrote the provider's answer into the folder: dod.json's
+    line for it is replaced (the other lines stand as checked). None when there is no dod.json."""
+    path = run_dir / "dod.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        checks = [Check(**c) for c in saved["checks"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    check = check_termination(run_dir)
+    checks = [check if c.number == TERMINATION_CHECK else c for c in checks]
+    write_json_atomic(path, {**report(run_dir, checks, tuple(saved.get("band", DEFAULT_BAND))),
+                             "checked_utc": saved.get("checked_utc"), "rechecked_utc": {str(TERMINATION_CHECK): format_utc(utc_now())}})
+    return check
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,13 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m x1_pretrain.dod",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Check a run folder against the definition of done (SPEC §8):\n\n" + __doc__.split("\n\n", 1)[1],
-        epilog="Exit codes: 0 all checks pass; 1 at least one fails (the table names it); 2 bad usage.",
+        epilog="Exit codes: 0 all checks pass; 1 at least one fails (the table names it); 2 bad usage or not a run "
+               "folder; 3 with --termination-pending: checks 1-5 pass and 6 is pending.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the folder export_run wrote")
     p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"), default=DEFAULT_BAND,
                    help="final val loss band (default 3.20 3.50; a short or tiny run uses its own)")
     p.add_argument("--cap-usd", type=float, metavar="USD",
                    help="spend cap (default: the cap recorded in the manifest or budget.json, else the spec's $35)")
+    p.add_argument("--termination-pending", action="store_true",
+                   help="run on the instance before its terminate: a failing check 6 is PENDING (exit 3 when it is "
+                        "the only one not passing)")
     return p
 
 
@@ -295,16 +348,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.cap_usd is not None and args.cap_usd <= 0:
         print(f"dod: error: --cap-usd {args.cap_usd}: must be above 0", file=sys.stderr)
         return int(ExitCode.USAGE)
+    if not (run_dir / "manifest.json").is_file():
+        # Writing dod.json here would leave a stray file in a folder that is not ours.
+        print(f"dod: error: RUN_DIR {run_dir} is not a run folder (no manifest.json): write one with "
+              f"python -m x1_pretrain.export_run --output {run_dir} (or python -m x1_pretrain.finish)", file=sys.stderr)
+        return int(ExitCode.USAGE)
     checks = run_checks(run_dir, band, args.cap_usd)
-    passed = all(c.ok for c in checks)
+    if args.termination_pending:
+        checks = [mark_pending(c) if c.number == TERMINATION_CHECK else c for c in checks]
     print(render(checks))
-    report = {"run_dir": str(run_dir.resolve()), "passed": passed, "checked_utc": format_utc(utc_now()),
-              "band": list(band), "checks": [asdict(c) for c in checks]}
     try:
-        write_json_atomic(run_dir / "dod.json", report)
+        write_json_atomic(run_dir / "dod.json", report(run_dir, checks, band))
     except OSError as e:
         print(f"dod: warning: cannot write {run_dir / 'dod.json'}: {e}", file=sys.stderr)
-    return 0 if passed else EXIT_FAILED
+    return exit_code(checks)
 
 
 if __name__ == "__main__":

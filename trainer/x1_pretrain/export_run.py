@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from x1_common.contracts import (
+    END_REASONS,
     BudgetFormatError,
     ExitCode,
     end_reason,
@@ -47,7 +48,7 @@ from x1_common.contracts import (
     scrub_record,
     utc_now,
 )
-from x1_common.fsutil import fsync_dir, sha256_file, write_json_atomic, write_text_atomic
+from x1_common.fsutil import fsync_dir, make_readable, sha256_file, write_json_atomic, write_text_atomic
 
 # The export is run by a person waiting at a prompt: MLflow's own client would retry an
 # unreachable server 7 times with backoff; we retry a few times ourselves and say so.
@@ -68,6 +69,7 @@ class ExportError(Exception):
 
 
 Series = list[tuple[int, float]]  # (step, value), ascending steps, one value per step
+RAW_KEYS = ("restart", "startup_seconds", "first_step_unix", "downtime_seconds")
 
 # ---------------------------------------------------------------------------------------------
 # Reading a run from MLflow
@@ -89,6 +91,9 @@ class RunRecord:
     tags: dict[str, str]
     series: dict[str, Series]  # the surviving value per (step, name)
     logged: dict[str, int] = field(default_factory=dict)  # raw entries per name, duplicates included
+    # Every entry, duplicates included, of the metrics logged once per process start (RAW_KEYS):
+    # two starts that resume from one checkpoint log them at the same step.
+    raw: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)  # (step, timestamp ms, value)
 
     def get(self, name: str) -> Series:
         return self.series.get(name, [])
@@ -237,6 +242,7 @@ def load_run(uri: str, run_id: str | None = None, experiment: str | None = None)
         tags=dict(run.data.tags),
         series={k: surviving(h) for k, h in histories.items()},
         logged={k: len(h) for k, h in histories.items()},
+        raw={k: [(int(m.step), int(m.timestamp), float(m.value)) for m in histories[k]] for k in RAW_KEYS if k in histories},
     )
 
 
@@ -317,7 +323,13 @@ def end_of_run(record: RunRecord, events: list[dict[str, Any]]) -> tuple[str, st
     """(end, how we know). The trainer tags x1.end on every exit it controls."""
     tag = record.tags.get("x1.end")
     if tag:
-        return tag, record.tags.get("x1.end_reason") or f"tag x1.end; MLflow status {record.status}"
+        reason = record.tags.get("x1.end_reason")
+        if reason and reason != tag and reason in END_REASONS.values():
+            # A trainer older than the tags' fix left an earlier exit's reason ("preempted") beside a
+            # later exit's end ("finished"): that word does not describe this end.
+            return tag, (f"tag x1.end; MLflow status {record.status} (its x1.end_reason {reason!r} was left by an "
+                         "earlier exit of this run)")
+        return tag, reason or f"tag x1.end; MLflow status {record.status}"
     finals = [e for e in events if e.get("event") in ("exit", "give_up")]
     if finals:
         last = finals[-1]
@@ -501,18 +513,23 @@ def versions_of(record: RunRecord) -> dict[str, str]:
 
 
 def predictions(model_cfg, tokens_seen: float, config: dict[str, Any]) -> dict[str, Any]:
-    from x1_pretrain.accounting import CHINCHILLA, chinchilla_loss, param_counts
+    from x1_pretrain.accounting import CHINCHILLA, param_counts, predicted_loss
 
     n = param_counts(model_cfg)["total"]
     label = "Chinchilla fit (Hoffmann 2022), N = all parameters; fitted on another corpus and tokenizer: a guide"
+    now = predicted_loss(n, tokens_seen, model_cfg.vocab_size)
     out: dict[str, Any] = {
-        "predicted_val_loss": round(chinchilla_loss(n, tokens_seen), 4),
-        "predicted_val_loss_basis": {"n_params": n, "tokens": tokens_seen, "fit": label, "constants": CHINCHILLA},
+        "predicted_val_loss": round(now.value, 4),
+        "predicted_val_loss_basis": {"n_params": n, "tokens": tokens_seen, "fit": label, "constants": CHINCHILLA,
+                                     "fit_value": round(now.fit, 4), "in_fit_range": now.in_fit_range,
+                                     "note": now.note},
     }
     train = config.get("train") if isinstance(config.get("train"), dict) else {}
     try:
         planned = float(train["total_steps"]) * float(train["tokens_per_step"])
-        out["planned_val_loss"] = {"value": round(chinchilla_loss(n, planned), 4), "tokens": planned,
+        plan = predicted_loss(n, planned, model_cfg.vocab_size)
+        out["planned_val_loss"] = {"value": round(plan.value, 4), "tokens": planned, "fit_value": round(plan.fit, 4),
+                                   "in_fit_range": plan.in_fit_range, "note": plan.note,
                                    "label": "the plan's prediction for the planned tokens (total_steps x tokens_per_step)"}
     except (KeyError, TypeError, ValueError):
         pass
@@ -535,11 +552,104 @@ def spike_summary(record: RunRecord) -> dict[str, Any]:
 def restart_count(record: RunRecord, events: list[dict[str, Any]], events_path: Path | None) -> dict[str, Any]:
     # Raw entries, not surviving ones: two resumes from the same checkpoint log `restart` twice at one step.
     from_mlflow = record.logged.get("restart", 0)
+    cost = restart_cost(record, events)
     if events_path is not None:
         relaunches = sum(1 for e in events if e.get("event") == "relaunch")
         return {"restarts": relaunches, "restarts_source": f"watchdog relaunch events in {events_path}",
-                "restarts_logged_by_trainer": from_mlflow}
-    return {"restarts": from_mlflow, "restarts_source": "MLflow metric `restart` (one per resumed start)"}
+                "restarts_logged_by_trainer": from_mlflow, "restart_cost": cost}
+    return {"restarts": from_mlflow, "restarts_source": "MLflow metric `restart` (one per resumed start)",
+            "restart_cost": cost}
+
+
+@dataclass(frozen=True)
+class ProcessStart:
+    """One start of the trainer, as it logged its first step (train.log_first_step)."""
+
+    first_step: int
+    first_step_unix: float
+    startup_seconds: float
+    downtime_seconds: float | None  # since the previous process's last heartbeat (resumes only)
+
+
+def process_starts(record: RunRecord) -> list[ProcessStart]:
+    """Every start that reached its first step, oldest first. The metrics of one start share its
+    log call: the same step and timestamp."""
+    by_call = {}
+    for key in ("startup_seconds", "downtime_seconds"):
+        for step, ts, value in record.raw.get(key, []):
+            by_call[(key, step, ts)] = value
+    starts = [ProcessStart(step, value, by_call[("startup_seconds", step, ts)], by_call.get(("downtime_seconds", step, ts)))
+              for step, ts, value in record.raw.get("first_step_unix", []) if ("startup_seconds", step, ts) in by_call]
+    return sorted(starts, key=lambda p: p.first_step_unix)
+
+
+def _unix(iso: Any) -> float | None:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(str(iso).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def restart_cost(record: RunRecord, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What each start and each restart cost, in seconds.
+
+    startup: the process's start -> its first optimizer step done (logged by the trainer). downtime
+    of a restart: the exit (the watchdog's exit event) -> the relaunched process's first step,
+    i.e. the emergency checkpoint's aftermath, the watchdog's backoff and the new start's startup.
+    Without the watchdog's events, the trainer's own figure: the previous process's last heartbeat
+    -> its first step. A number that was not logged is null, with the reason; never guessed."""
+    starts = process_starts(record)
+    out: dict[str, Any] = {
+        "starts": [{"first_step": p.first_step, "first_step_utc": format_utc_unix(p.first_step_unix),
+                    "startup_seconds": round(p.startup_seconds, 3)} for p in starts],
+        "startup_note": "process start -> its first optimizer step done: interpreter, imports, data checks, model, "
+                        "compile (or its cache), warm-up, restore",
+    }
+    restarts: list[dict[str, Any]] = []
+    exits = [e for e in events if e.get("event") == "exit"]
+    relaunches = [e for e in events if e.get("event") == "relaunch"]
+    if relaunches:
+        exit_times = [_unix(e.get("time")) for e in exits]
+        for n, rel in enumerate(relaunches, 1):
+            rel_t = _unix(rel.get("time"))
+            ex_t = max((t for t in exit_times if t is not None and rel_t is not None and t <= rel_t), default=None)
+            later_exits = [t for t in exit_times if t is not None and ex_t is not None and t > ex_t]
+            until = min(later_exits, default=float("inf"))
+            nxt = next((p for p in starts if ex_t is not None and ex_t < p.first_step_unix < until), None)
+            item: dict[str, Any] = {"restart": n, "reason": rel.get("reason"), "exit_code": rel.get("exit_code"),
+                                    "exit_utc": None if ex_t is None else format_utc_unix(ex_t),
+                                    "relaunch_delay_seconds": rel.get("downtime_seconds"), "source": "watchdog events"}
+            if nxt is None or ex_t is None:
+                item.update(downtime_seconds=None, startup_seconds=None,
+                            why="not measured: the relaunched process logged no first step (it ended before one, "
+                                "or its metrics never reached MLflow)")
+            else:
+                item.update(resumed_first_step=nxt.first_step, startup_seconds=round(nxt.startup_seconds, 3),
+                            downtime_seconds=round(nxt.first_step_unix - ex_t, 3))
+            restarts.append(item)
+        out["downtime_note"] = "the exit (watchdog's event) -> the relaunched process's first step done"
+    else:
+        for n, p in enumerate((p for p in starts if p.downtime_seconds is not None), 1):
+            restarts.append({"restart": n, "resumed_first_step": p.first_step,
+                             "startup_seconds": round(p.startup_seconds, 3),
+                             "downtime_seconds": round(p.downtime_seconds, 3),  # type: ignore[arg-type]
+                             "source": "trainer (MLflow downtime_seconds)"})
+        out["downtime_note"] = ("no watchdog events: the previous process's last heartbeat (after its emergency "
+                                "checkpoint, for a preemption) -> the resumed process's first step done")
+    out["restarts"] = restarts
+    measured = [r["downtime_seconds"] for r in restarts if r.get("downtime_seconds") is not None]
+    out["downtime_seconds_total"] = round(sum(measured), 3) if len(measured) == len(restarts) else None
+    if len(measured) != len(restarts):
+        out["downtime_seconds_total_why"] = f"not measured: {len(restarts) - len(measured)} restart(s) without a figure"
+    return out
+
+
+def format_utc_unix(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return format_utc(datetime.fromtimestamp(t, timezone.utc))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,26 +687,59 @@ def _join_by_step(a: Series, b: Series) -> list[tuple[float, float]]:
     return [(bd[s], v) for s, v in a if s in bd]
 
 
-def _hours_at(step: int, wall: Series) -> float | None:
-    after = [h for s, h in wall if s >= step]
-    return after[0] if after else (wall[-1][1] if wall else None)
-
-
 def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predicted: float | None,
-                 clip: float | None, title: str) -> None:
+                 clip: float | None, title: str, restart_cost: dict[str, Any] | None = None) -> None:
     from x1_pretrain import plots
+
+    restart_steps = sorted(set(record.flagged("restart")))
+    # A resumed process's first step is its checkpoint's step + 1; `restart` is logged at the checkpoint's.
+    downtimes = {r["resumed_first_step"] - 1: r.get("downtime_seconds")
+                 for r in (restart_cost or {}).get("restarts", []) if r.get("resumed_first_step") is not None}
 
     injected = record.flagged("spike_injected")
     window = (injected[0], injected[-1]) if injected else None
+    flagged = set(record.flagged("spike"))  # spike_loss holds the injected steps' losses too
     plots.loss_curve(out / "loss-curve.png", record.get("loss"), record.get("val_loss"), band=band,
-                     predicted=predicted, title=f"{title}: loss", injection=window, spikes=record.get("spike_loss"))
+                     predicted=predicted, title=f"{title}: loss", injection=window,
+                     spikes=[(s, v) for s, v in record.get("spike_loss") if s in flagged])
     plots.gradnorm_curve(out / "gradnorm-curve.png", record.get("grad_norm"), record.get("param_norm"), clip=clip,
                          title=f"{title}: gradient and parameter norms", injection=window)
     wall = record.get("wall_hours")
-    restarts = [h for h in (_hours_at(s, wall) for s in record.flagged("restart")) if h is not None]
-    plots.throughput_curve(out / "throughput.png", _join_by_step(record.get("tokens_per_sec"), wall),
-                           restarts_at_hours=restarts, mfu=_join_by_step(record.get("mfu"), wall),
-                           title=f"{title}: throughput")
+    plots.throughput_curve(out / "throughput.png", _segments(record.get("tokens_per_sec"), wall, restart_steps),
+                           gaps=_gaps(record.get("tokens_per_sec"), wall, restart_steps, downtimes),
+                           mfu=_segments(record.get("mfu"), wall, restart_steps), title=f"{title}: throughput")
+
+
+def _segments(values: Series, wall: Series, breaks: list[int]) -> list[list[tuple[float, float]]]:
+    """(wall hours, value) per process: a restart at step r (the checkpoint it resumed from)
+    ends the segment of the steps up to r."""
+    hours = dict(wall)
+    segments: list[list[tuple[float, float]]] = [[]]
+    edges = iter(sorted(set(breaks)))
+    edge = next(edges, None)
+    for step, v in values:
+        while edge is not None and step > edge:
+            segments.append([])
+            edge = next(edges, None)
+        if step in hours:
+            segments[-1].append((hours[step], v))
+    return [s for s in segments if s]
+
+
+def _gaps(values: Series, wall: Series, breaks: list[int], downtimes: dict[int, float | None]) -> list[tuple[float, float, str]]:
+    """(from hours, to hours, label) for each restart between two segments."""
+    out = []
+    logged = {s for s, _ in values}
+    hours = [(s, h) for s, h in wall if s in logged]
+    for r in sorted(set(breaks)):
+        before = [h for s, h in hours if s <= r]
+        after = [h for s, h in hours if s > r]
+        if before and after:
+            down = downtimes.get(r)
+            label = (f"restart: {down:.0f} s from the exit to the next step" if down is not None
+                     else "restart (downtime not measured)")
+            out.append((before[-1], after[0], label))
+    return out
 
 
 def _float_or_none(v: Any) -> float | None:
@@ -759,15 +902,12 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             _copy_json_scrubbed(inputs.termination, tmp / "termination.json")  # type: ignore[arg-type]
         clip = _float_or_none((manifest["config"].get("optim") or {}).get("grad_clip"))
         title = f"{record.run_name or record.run_id[:8]} ({manifest['config_name']})"
-        draw_figures(tmp, record, band, manifest["predicted_val_loss"], clip, title)
+        draw_figures(tmp, record, band, manifest["predicted_val_loss"], clip, title, manifest.get("restart_cost"))
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / "manifest.json", manifest)  # last: a folder with a manifest is complete
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; the run folder is for reading
+        make_readable(tmp)  # mkdtemp made it private; the run folder is for reading
         for p in tmp.iterdir():
             if p.is_file():
-                os.chmod(p, 0o666 & ~umask)
                 _fsync_file(p)
         _swap_into_place(tmp, out)
     except BaseException:

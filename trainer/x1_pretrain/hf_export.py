@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from x1_common.contracts import ExitCode
-from x1_common.fsutil import fsync_dir
+from x1_common.fsutil import fsync_dir, make_readable
 from x1_pretrain.config import ConfigError, ModelConfig
 from x1_pretrain.tokenizer import EOT_TOKEN
 from x1_pretrain.weights import FORMAT, load_weights
@@ -247,6 +247,7 @@ def export(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
         write_export(tmp, state, cfg, source=str(checkpoint), dtype=DTYPES[dtype], with_tokenizer=with_tokenizer)
+        make_readable(tmp)  # the folder is the user's: not mkdtemp's 0700 nor safetensors' 0600
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

@@ -145,28 +145,43 @@ def gradnorm_curve(
     _save(fig, path)
 
 
+def _joined(segments: Sequence[Sequence[tuple[float, float]]]) -> tuple[list[float], list[float]]:
+    """One x/y pair of lists, a NaN between segments: matplotlib draws no line across a NaN."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for i, seg in enumerate(segments):
+        if i:
+            xs.append(float("nan"))
+            ys.append(float("nan"))
+        xs += [h for h, _ in seg]
+        ys += [v for _, v in seg]
+    return xs, ys
+
+
 def throughput_curve(
     path: str | os.PathLike[str],
-    points: Sequence[tuple[float, float]],
+    segments: Sequence[Sequence[tuple[float, float]]],
     *,
-    restarts_at_hours: Sequence[float],
-    mfu: Sequence[tuple[float, float]] = (),
+    gaps: Sequence[tuple[float, float, str]] = (),
+    mfu: Sequence[Sequence[tuple[float, float]]] = (),
     title: str,
 ) -> None:
-    """Tokens/s against wall-clock hours since the run began; a dashed line where the trainer restarted."""
+    """Tokens/s against wall-clock hours since the run began, one line per trainer process: a
+    restart is a gap, shaded and labelled with its downtime, never a line drawn through it."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    if points:
-        ax.plot([h for h, _ in points], [v for _, v in points], color="tab:blue", lw=1, label="tokens/s")
-    for i, h in enumerate(restarts_at_hours):
-        ax.axvline(h, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
+    if any(segments):
+        ax.plot(*_joined(segments), color="tab:blue", lw=1, marker="." if max(map(len, segments)) < 30 else None,
+                label="tokens/s")
+    for h0, h1, label in gaps:
+        ax.axvspan(h0, h1, color="tab:red", alpha=0.15, lw=0, label=label)
     ax.set_xlabel("wall-clock hours since the run began")
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
     ax.set_title(title)
     handles, labels = ax.get_legend_handles_labels()
-    if any(v > 0 for _, v in mfu):  # on CPU the MFU is 0: no second axis for a flat line
+    if any(v > 0 for seg in mfu for _, v in seg):  # on CPU the MFU is 0: no second axis for a flat line
         right = ax.twinx()
-        right.plot([h for h, _ in mfu], [v for _, v in mfu], color="tab:gray", lw=0.8, alpha=0.7, label="MFU")
+        right.plot(*_joined(mfu), color="tab:gray", lw=0.8, alpha=0.7, label="MFU")
         right.set_ylabel("MFU")
         h2, l2 = right.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2

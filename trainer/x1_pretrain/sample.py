@@ -9,7 +9,8 @@ at the next <|endoftext|> (the model ending the document) unless --no-stop-at-eo
 0` is greedy; `--no-cache` recomputes the whole sequence at every step, for comparison. Runs in
 fp32 on the CPU by default. The prompt plus the new tokens must fit in the context (seq_len): a
 longer request is refused (exit 2) rather than slid, since positions past seq_len were never trained
-and a sliding window would silently forget the start of the prompt.
+and a sliding window would silently forget the start of the prompt. Without --max-new-tokens it
+generates up to 100 tokens, fewer when the context holds fewer after the prompt (and says so).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def generate(
     return out
 
 
+DEFAULT_NEW_TOKENS = 100
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m x1_pretrain.sample",
@@ -105,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="final.safetensors, a step_XXXXXXXX/ folder, or a checkpoint dir (its final or latest)")
     p.add_argument("--prompt", default="", help="text to continue (default: empty, i.e. a document from scratch)")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help=f"tokens to generate at most (default {DEFAULT_NEW_TOKENS}, or what the context holds after "
+                        "the prompt when that is less); more than the context holds is refused")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all (default 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
@@ -119,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not math.isfinite(args.temperature):
         parser.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
@@ -133,10 +139,21 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.USAGE
 
     prompt_ids = [EOT_TOKEN, *encode_document(args.prompt)]
+    max_new = args.max_new_tokens
+    if max_new is None:  # a default must work on every model: a tiny one's context may hold less than 100
+        room = model.cfg.seq_len - len(prompt_ids)
+        if room < 1:
+            print(f"error: --prompt is {len(prompt_ids)} tokens with the leading <|endoftext|>: the model's context "
+                  f"of {model.cfg.seq_len} tokens leaves no room for a new one", file=sys.stderr)
+            return ExitCode.USAGE
+        max_new = min(DEFAULT_NEW_TOKENS, room)
+        if max_new < DEFAULT_NEW_TOKENS:
+            print(f"[{max_new} new tokens at most: the model's context of {model.cfg.seq_len} holds that many after "
+                  f"the {len(prompt_ids)}-token prompt]", file=sys.stderr)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     t0 = time.perf_counter()
     try:
-        new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, generator,
+        new = generate(model, prompt_ids, max_new, args.temperature, args.top_k, generator,
                        use_cache=not args.no_cache, stop_token=EOT_TOKEN if args.stop_at_eot else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

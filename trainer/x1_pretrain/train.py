@@ -47,6 +47,9 @@ log = logging.getLogger("x1.train")
 
 # MLflow statuses per exit: a stop on purpose is KILLED, a failure FAILED.
 MLFLOW_STATUS = {0: "FINISHED", 75: "KILLED", 76: "KILLED", 77: "KILLED", 79: "FAILED"}
+# Exits after which nothing more will train (--run-dir writes the run folder after these).
+FINAL_CODES = frozenset({ExitCode.FINISHED, ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.DIVERGED})
+IMPORTED_AT = time.time()  # process_started_at's fallback where /proc is missing
 
 
 class DataOrConfigError(Exception):
@@ -198,6 +201,8 @@ class Run:
     backward_context: Any = contextlib.nullcontext  # compiled autograd, when on
     last_saved_step: int = -1
     floor_warned_at: float = 0.0
+    previous_heartbeat: Any = None  # what the process before this one left (a restart's downtime)
+    first_step_logged: bool = False
 
     @property
     def micro_batch(self) -> int:
@@ -222,6 +227,7 @@ def train_loop(run: Run) -> int:
             run.sink.log(step, {"spike_injection_skipped": float(run.injector.natural_spike_before(run.detector) is not None)})
 
         # 2. forward/backward over the micro-batches (gradients averaged over the whole step)
+        injected = run.injector.active(step, run.detector)
         loss, interrupted = accumulate(run, step)
         if interrupted:  # SIGTERM mid-step: drop the partial gradients, keep the last full step
             return stop_run(run, step, ExitCode.PREEMPTED, "preempted")
@@ -251,9 +257,11 @@ def train_loop(run: Run) -> int:
         run.throughput.add(cfg.train.tokens_per_step)
         if run.state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
             return diverged(run, step)
-        if finite and run.detector.update(step, loss_v):
-            log.warning("loss spike at step %d: %.3f vs EMA %.3f", step, loss_v, run.detector.ema)
-            run.sink.log(step, {"spike": 1.0, "spike_loss": loss_v, "spike_ema": run.detector.ema})
+        flagged = finite and run.detector.update(step, loss_v)
+        if flagged or injected:  # the post-mortem's evidence, at the step itself
+            log_spike_step(run, step, loss_v, grad_norm_v, flagged)
+        if not run.first_step_logged:
+            log_first_step(run, step)
 
         # 5. log
         if step % cfg.train.log_every == 0 or step == total:
@@ -391,6 +399,49 @@ def log_budget(run: Run, step: int, projection: Projection | None) -> None:
     p.hours_needed.set(math.nan if hours is None else hours)
 
 
+def log_spike_step(run: Run, step: int, loss: float, grad_norm: float, flagged: bool) -> None:
+    """A flagged or injected step's own numbers: its loss, its grad norm (before clipping) and
+    whether clipping fired. The log steps every `log_every` rarely fall on a spike's steps; without
+    these the post-mortem could not say whether the clip caught it."""
+    metrics = {"spike_loss": loss} if math.isfinite(loss) else {}
+    clip = run.cfg.optim.grad_clip
+    if math.isfinite(grad_norm):  # a non-finite step skipped the optimizer: no clip decision to log
+        metrics.update(spike_grad_norm=grad_norm, spike_clipped=float(grad_norm > clip))
+    if flagged:
+        metrics.update(spike=1.0, spike_ema=run.detector.ema)
+        log.warning("loss spike at step %d: %.3f vs EMA %.3f, grad norm %.3f %s the clip of %g", step, loss,
+                    run.detector.ema, grad_norm, "over" if grad_norm > clip else "within", clip)
+    run.sink.log(step, metrics)
+
+
+def process_started_at() -> float:
+    """Unix time this process started, interpreter and imports included (Linux: from /proc, to
+    10 ms; elsewhere: when this module was imported)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return IMPORTED_AT
+
+
+def log_first_step(run: Run, step: int) -> None:
+    """What a start costs, as numbers: process start -> this process's first step done, and on a
+    resume the downtime since the previous process's last heartbeat (for a preemption: its exit,
+    after the emergency checkpoint; for a crash or a kill: its last sign of life)."""
+    run.first_step_logged = True
+    now = time.time()
+    metrics = {"startup_seconds": now - process_started_at(), "first_step_unix": now}
+    previous = run.previous_heartbeat
+    resumed = run.state.restarts > 0 and previous is not None and previous.pid != os.getpid()
+    if resumed:
+        metrics["downtime_seconds"] = now - previous.time
+    run.sink.log(step, metrics)
+    log.info("first step of this process (step %d) done %.1f s after it started%s", step, metrics["startup_seconds"],
+             f"; {metrics['downtime_seconds']:.1f} s since the previous process's last heartbeat "
+             f"(phase {previous.phase})" if resumed else "")
+
+
 def total_norm(params) -> float:
     norms = [torch.linalg.vector_norm(p.detach().float()) for p in params]
     norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
@@ -506,6 +557,7 @@ def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
     # RunPod spot gives 5 s after SIGTERM: the checkpoint comes first, the metrics get what is left
     # (anything unsent is spooled to disk and sent by the next start).
     run.sink.close(MLFLOW_STATUS[int(code)], timeout=3.0 if code == ExitCode.PREEMPTED else 30.0)
+    run.sink.heartbeat.beat(step, "stopped")  # the exit's time: the next start measures its downtime from it
     return int(code)
 
 
@@ -513,7 +565,8 @@ def diverged(run: Run, step: int) -> int:
     log.error("diverged: %d non-finite steps in a row at step %d. Check the data's token ids, the fp32 master "
               "weights and the learning rate; resume from the last checkpoint with a lower lr to continue.",
               run.state.nonfinite_in_row, step)
-    run.sink.tags({"x1.end": END_REASONS[ExitCode.DIVERGED]})
+    run.sink.tags({"x1.end": END_REASONS[ExitCode.DIVERGED],
+                   "x1.end_reason": f"{run.state.nonfinite_in_row} non-finite steps in a row at step {step}"})
     run.sink.close("FAILED", timeout=30.0)
     return int(ExitCode.DIVERGED)
 
@@ -525,7 +578,8 @@ def finish(run: Run, step: int) -> int:
         run.checkpointer.save_final(model_state, optim_state, step, run.state.config_hash)
         log.info("finished: %s", run.checkpointer.root / "final.safetensors")
     run.sink.heartbeat.beat(step, "finished")
-    run.sink.tags({"x1.end": END_REASONS[ExitCode.FINISHED]})
+    # x1.end_reason too: an earlier process of this run may have left "preempted" there.
+    run.sink.tags({"x1.end": END_REASONS[ExitCode.FINISHED], "x1.end_reason": f"total steps reached (step {step})"})
     run.sink.close("FINISHED", timeout=60.0)
     return int(ExitCode.FINISHED)
 
@@ -578,6 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="resume even though the config hash (model, optimizer, schedule) changed")
     ops.add_argument("--measured-peak-tflops", type=float, help="this GPU's measured bf16 matmul peak, for a second MFU")
     ops.add_argument("--run-name", help="MLflow run name (default: config name and start time)")
+    ops.add_argument("--run-dir", metavar="DIR",
+                     help="after a final exit (finished, budget stop, divergence) write the run folder here "
+                          "(python -m x1_pretrain.finish: export_run, the spike post-mortem draft, dod)")
     return p
 
 
@@ -1010,7 +1067,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
                                     f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
 
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    previous_heartbeat = sink.heartbeat.previous()
+    previous_heartbeat = sink.heartbeat.previous()  # before this process's first beat replaces it
     sink.heartbeat.beat(state.step, "startup")
     sink.prom.tokens.inc(state.tokens_seen)
     info = preflight.collect(d.device, backend, cfg.checkpoint.dir)
@@ -1048,6 +1105,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         peak_tflops=info.get("peak_bf16_tflops", 0.0) if gpu_key != "cpu" else 0.0,
         measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
+    run.previous_heartbeat = previous_heartbeat
     if loaded is not None:
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
     warm_up(run, compile_choice(cfg, Path(cfg.checkpoint.dir), previous_heartbeat), Path(cfg.checkpoint.dir))
@@ -1117,7 +1175,13 @@ def main(argv: list[str] | None = None) -> int:
             return run
         if stop.requested:  # SIGTERM during setup: nothing new to save
             return ExitCode.PREEMPTED
-        return train_loop(run)
+        code = train_loop(run)
+        if args.run_dir and run.dist.is_main and code in FINAL_CODES:
+            from x1_pretrain.finish import write_run_folder
+
+            write_run_folder(cfg.tracking.mlflow_uri, Path(args.run_dir), run_id=run.sink.run_id,
+                             ckpt_dir=Path(cfg.checkpoint.dir))
+        return code
     except CheckpointError as e:
         # A full disk above all. Exit 1 is a crash to the watchdog: it relaunches with backoff
         # (space may come back), the relaunch stops in check_space within seconds if it has not,

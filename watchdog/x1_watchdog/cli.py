@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--instance-id", help="the instance (Lambda) or pod (RunPod) id")
     g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"),
                    help="where --terminate-on-finish writes the provider's answer (default %(default)s)")
+    g.add_argument("--run-dir", type=Path,
+                   help="--terminate-on-finish: the run folder the trainer exported (its --run-dir); the provider's "
+                        "answer is added to it as termination.json, with its manifest and dod.json updated")
     g.add_argument("--poll-seconds", type=float, default=20.0, help="provider mode: status poll period (default 20)")
     g.add_argument("--instance-type", help="provider mode, Lambda: type to relaunch (default: the preempted one's)")
     g.add_argument("--region", help="provider mode, Lambda: region to relaunch in (default: the preempted one's)")
@@ -209,6 +212,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: li
         p.error(f"--user-data-file {args.user_data_file}: no such file")
     if args.terminate_on_finish and args.mode == "provider":
         p.error("--terminate-on-finish belongs to the watchdog beside the trainer (process or docker mode)")
+    if args.run_dir is not None and not args.terminate_on_finish:
+        p.error("--run-dir is used only with --terminate-on-finish (the trainer writes the folder itself)")
 
 
 def ensure_writable_dir(path: Path, option: str) -> None:
@@ -284,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     on_final: Callable[[int, str], None] = lambda code, reason: None  # noqa: E731
     if args.terminate_on_finish:
         client = make_client(args.provider, args.api_url, api_key_from_env(args.provider))
-        on_final = Terminator(client, args.provider, args.instance_id, args.termination_file, state, events, alerter)
+        on_final = Terminator(client, args.provider, args.instance_id, args.termination_file, state, events, alerter,
+                              run_dir=args.run_dir)
     try:
         handle = make_handle(args, command)
     except StartError as e:

@@ -1,17 +1,26 @@
 """--terminate-on-finish: after a finished run or a budget/divergence stop, terminate the
 instance through the provider's API and keep its answer as the run's proof of termination
 (SPEC §8, check 6). An A100 forgotten at $1.10/h is $26 a day.
+
+The end of a run is one sequence, on the workspace volume, before the instance goes:
+
+    trainer (--run-dir DIR): final checkpoint -> export_run -> post-mortem draft -> dod (check 6 pending)
+    watchdog (--run-dir DIR): terminate -> the provider's answer into DIR/termination.json, the
+                              manifest's `termination` and dod.json's check 6 updated
+
+so that `dod DIR`, run later wherever the folder is read, passes all six checks.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, Protocol
 
 from x1_common.contracts import ExitCode, scrub_record
-from x1_common.fsutil import write_json_atomic
+from x1_common.fsutil import sha256_file, write_json_atomic
 from x1_common.providers import Instance, ProviderError
 from x1_watchdog.records import EventLog, StateStore, iso_time
 from x1_watchdog.supervisor import Alerter
@@ -47,6 +56,7 @@ class Terminator:
         state: StateStore,
         events: EventLog,
         alerter: Alerter,
+        run_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.client = client
         self.provider = provider
@@ -55,6 +65,7 @@ class Terminator:
         self.state = state
         self.events = events
         self.alerter = alerter
+        self.run_dir = Path(run_dir) if run_dir is not None else None
 
     def __call__(self, exit_code: int, reason: str) -> None:
         if exit_code not in TERMINATE_EXIT_CODES or reason == "given-up":
@@ -96,7 +107,39 @@ class Terminator:
         # The instance record can carry secrets of its own (Lambda's jupyter_token): masked.
         write_json_atomic(self.termination_file, scrub_record(record))
         self.state.update_final(terminated=True, termination_file=str(self.termination_file))
+        run_folder = self._add_to_run_folder(record) if self.run_dir is not None else None
         self.events.write("terminate", ok=True, provider=self.provider, instance_id=self.instance_id,
                           exit_code=exit_code, reason=reason, termination_file=str(self.termination_file),
-                          status_after=record["instance_after"].get("status"))
+                          status_after=record["instance_after"].get("status"), run_folder=run_folder)
         log.info("instance %s terminated; the provider's answer is in %s", self.instance_id, self.termination_file)
+
+    def _add_to_run_folder(self, record: dict[str, Any]) -> str:
+        """The provider's answer beside the trainer's export, so the folder proves check 6 by itself.
+        Returns what was done, for the event."""
+        run_dir = self.run_dir
+        assert run_dir is not None
+        manifest_path = run_dir / "manifest.json"
+        if not manifest_path.is_file():
+            log.error("no run folder at %s (no manifest.json: did the trainer's --run-dir export fail?): the "
+                      "provider's answer is only in %s; export with python -m x1_pretrain.finish --output %s",
+                      run_dir, self.termination_file, run_dir)
+            return f"missing: no manifest.json in {run_dir}"
+        try:
+            from x1_pretrain.dod import recheck_termination
+            from x1_pretrain.export_run import termination_facts
+
+            target = run_dir / "termination.json"
+            write_json_atomic(target, scrub_record(record))
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            manifest["termination"] = {**termination_facts(target), "source": str(self.termination_file),
+                                       "added_by": "watchdog --terminate-on-finish, after the export"}
+            manifest.setdefault("files", {})["termination.json"] = sha256_file(target)
+            write_json_atomic(manifest_path, manifest)
+            check = recheck_termination(run_dir)
+        except Exception as e:  # noqa: BLE001 - the instance is gone already: report, never crash the watchdog
+            log.error("could not add the provider's answer to the run folder %s: %s (it is in %s)", run_dir, e,
+                      self.termination_file)
+            return f"failed: {e}"
+        verdict = "no dod.json to update" if check is None else f"dod check 6 {'PASS' if check.ok else 'FAIL'}: {check.reason}"
+        log.info("run folder %s: termination.json added; %s", run_dir, verdict)
+        return f"termination.json added to {run_dir}; {verdict}"

@@ -35,6 +35,9 @@ from x1_watchdog.supervisor import Alerter, StopRequest
 log = logging.getLogger(__name__)
 
 GAVE_UP = 1  # provider mode's exit code after a give-up (documented in --help)
+# In the user-data, replaced by the name the keeper gives the instance it launches: the instance
+# finds its own id by that name (the repository's cloud-init.yaml does).
+INSTANCE_NAME_PLACEHOLDER = "__X1_INSTANCE_NAME__"
 DOWN_STATUSES = ("preempted", "stopped")
 # After a bring-back, a "down" status this soon is the provider not having caught up yet.
 SETTLE_SECONDS = 60.0
@@ -58,6 +61,11 @@ class LaunchSpec:
     ssh_key_names: tuple[str, ...] = ()
     file_system_names: tuple[str, ...] = ()
     gpu_count: int = 1  # RunPod podResume
+
+
+def user_data_for(user_data: str | None, name: str) -> str | None:
+    """The user-data as sent with the launch of the instance called `name`."""
+    return None if user_data is None else user_data.replace(INSTANCE_NAME_PLACEHOLDER, name)
 
 
 class CannotRecover(Exception):
@@ -245,7 +253,7 @@ class InstanceKeeper:
         name = f"x1-{self.origin_id[:12]}-r{self.state.restarts_total}"
         try:
             new_id = self.client.launch(instance_type, region, name=name, ssh_key_names=ssh_keys,
-                                        file_system_names=file_systems, user_data=self.launch.user_data)
+                                        file_system_names=file_systems, user_data=user_data_for(self.launch.user_data, name))
         except ProviderError as e:
             if e.kind not in ("timeout", "server", "network"):
                 raise
