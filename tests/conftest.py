@@ -115,3 +115,16 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     if engine.returncode != 0:
         return "docker: no engine reachable"
     return f"docker: {engine.stdout.strip()}, Compose {compose.stdout.strip() or 'none'}"
+
+
+_docker_seconds: list[float] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if Path(report.fspath).name.startswith("test_docker_"):
+        _docker_seconds.append(report.duration)  # setup, call and teardown: builds and stacks included
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _docker_seconds:
+        terminalreporter.write_line(f"docker tests (tests/test_docker_*.py): {sum(_docker_seconds):.0f} s wall time")

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from compose_stack import PYTHON_IMAGE, TORCH_IMAGE, X1_IMAGES, ComposeStack, docker_problem, run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -125,8 +124,8 @@ def test_prepare_container_tokenizes_real_text(stack):
 @pytest.mark.timeout(900)
 def test_up_brings_every_service_to_healthy(stack):
     stack.compose("up", "-d", timeout=600)
-    for service in (*("trainer", "budget-sidecar", "watchdog", "mlflow-server"), "fake-billing"):
-        wait_for(lambda: stack.health(service) == "healthy", 300, f"{service} healthy", diagnose=stack.logs)
+    for service in ("trainer", "budget-sidecar", "watchdog", "mlflow-server", "fake-billing"):
+        wait_for(lambda s=service: stack.health(s) == "healthy", 300, f"{service} healthy", diagnose=stack.logs)
     assert trainer_state(stack)["Running"]
     assert stack.http_json("SIDECAR_HOST_PORT", "/healthz")["status"] == "ok"
 
@@ -245,7 +244,8 @@ def test_finished_run_is_not_retrained_by_a_second_compose_up(stack):
     weights = stack.path("checkpoints/final.safetensors")
     digest, latest, steps = sha256(weights), stack.latest_checkpoint(), logged_steps(stack)
     assert steps[-1] == TOTAL_STEPS
-    assert stack.path("logs/termination.json").exists()  # TERMINATE_ON_FINISH=1, through the fake billing API
+    # TERMINATE_ON_FINISH=1: the watchdog terminates the instance (the fake billing API's) after the decision.
+    wait_for(lambda: stack.path("logs/termination.json").exists(), 120, "termination.json", diagnose=stack.logs)
     n = len(stack.events())
 
     stack.compose("up", "-d", timeout=600)  # compose starts the trainer container again ...

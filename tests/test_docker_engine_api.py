@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_docker_engine import FakeEngine
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, cli_env, free_port
-from fake_docker_engine import FakeEngine
 from receivers import WebhookReceiver
 from x1_watchdog.docker import CLIENT_MAX_API, CLIENT_MIN_API, ApiVersion, DockerHandle, choose_version
 from x1_watchdog.handles import TrainerUnreachable
@@ -340,6 +340,7 @@ def test_watchdog_on_too_old_an_engine_stays_up_unhealthy_alerts_and_recovers_af
         engine.upgrade("1.41", "1.12", "20.10.24+dfsg1")
         wait_until(lambda: metric(wd.port, "x1_watchdog_healthy") == 1, 30, "x1_watchdog_healthy 1")
         assert wd.healthcheck().returncode == 0
+        wait_until(lambda: events(wd.events_file)[-1]["event"] == "start", 30, "the adoption")
         kinds = [e["event"] for e in events(wd.events_file)]
         assert kinds[-2:] == ["healthy", "start"]
         assert engine.containers[NAME].starts == 0  # the running trainer was adopted, not restarted
@@ -371,7 +372,9 @@ def test_watchdog_follows_an_engine_upgraded_under_it_and_still_relaunches(sock,
         engine.upgrade("1.52", "1.44", "29.0.0")  # refuses the 1.41 the watchdog speaks
         wait_until(lambda: engine.refused(), 30, "the refusal")
         engine.exit(NAME, 75)
-        wait_until(lambda: engine.containers[NAME].starts == 1, 30, "the relaunch after the upgrade")
+        wait_until(lambda: len([e for e in events(wd.events_file) if e["event"] == "start"]) == 2, 30,
+                   "the relaunch after the upgrade")
+        assert engine.containers[NAME].starts == 1
         kinds = [e["event"] for e in events(wd.events_file)]
         assert kinds == ["start", "exit", "relaunch", "start"]  # no unhealthy: one refusal, renegotiated
         assert len(engine.refused()) == 1

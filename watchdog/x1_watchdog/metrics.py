@@ -5,7 +5,6 @@ graphs must not cost the run its supervisor."""
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
