@@ -8,11 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.x1-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo lint bench-gpu bench-tokenize clean help
+.PHONY: install test test-docker test-fast demo lint bench-gpu bench-tokenize clean help
 
 help:
 	@echo "make demo    - the whole stack as local processes on CPU, then the definition-of-done report"
 	@echo "make test    - the test suite (creates $(VENV) when missing)"
+	@echo "make test-docker - only the tests on a real Docker Engine (as root, first: bash .ci/docker-setup)"
 	@echo "make install - create $(VENV) with every extra"
 	@echo "make lint    - ruff, hadolint, compose schema, promtool"
 	@echo "make bench-tokenize - tokenizer pipeline vs raw tiktoken, on this machine"
@@ -29,6 +30,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-docker: $(STAMP)
+	$(PY) -m pytest tests/test_docker_engine_api.py tests/test_docker_compose.py $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m x1_pretrain.demo --workspace demo-workspace

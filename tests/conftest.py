@@ -88,3 +88,43 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (ckpt / "final.safetensors").is_file()
     return ckpt
+
+
+# The tests that build and run the compose stack on a real Docker Engine (tests/test_docker_compose.py)
+# go last: they take minutes, and every other test's result is in before they start.
+DOCKER_ENGINE_TESTS = ("test_docker_compose.py",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in DOCKER_ENGINE_TESTS)  # stable: order kept within each group
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """The Docker Engine and Compose the Docker tests run against, when there are any."""
+    import shutil
+
+    if shutil.which("docker") is None:
+        return "docker: no client on PATH"
+    fmt = "Engine {{.Server.Version}} (API {{.Server.APIVersion}}, minimum {{.Server.MinAPIVersion}})"
+    try:
+        engine = subprocess.run(["docker", "version", "--format", fmt], capture_output=True, text=True, timeout=30)
+        compose = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True, text=True,
+                                 timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"docker: {e}"
+    if engine.returncode != 0:
+        return "docker: no engine reachable"
+    return f"docker: {engine.stdout.strip()}, Compose {compose.stdout.strip() or 'none'}"
+
+
+_docker_seconds: list[float] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if Path(report.fspath).name.startswith("test_docker_"):
+        _docker_seconds.append(report.duration)  # setup, call and teardown: builds and stacks included
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _docker_seconds:
+        terminalreporter.write_line(f"docker tests (tests/test_docker_*.py): {sum(_docker_seconds):.0f} s wall time")

@@ -479,8 +479,8 @@ def dockerfile_base_images(path: Path) -> list[str]:
     args: dict[str, str] = {}
     images = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if m := re.match(r"ARG\s+(\w+)=(\S+)", line):
-            args[m.group(1)] = m.group(2)
+        if m := re.match(r"ARG\s+(\w+)=(\S+)", line):  # a default may use an earlier ARG
+            args[m.group(1)] = re.sub(r"\$\{?(\w+)\}?", lambda v: args.get(v.group(1), ""), m.group(2))
         if m := re.match(r"FROM\s+(\S+)", line):
             images.append(re.sub(r"\$\{?(\w+)\}?", lambda v: args.get(v.group(1), ""), m.group(1)))
     return images

@@ -5,6 +5,7 @@
 #   NPROC=N             torchrun --standalone --nproc_per_node=N ... x1_pretrain.train ARGS
 #   X1_TRAIN_EXTRA_ARGS appended to ARGS, split on spaces ("--inject-spike-at-step 12000")
 #   X1_PYTHON           the interpreter (default: python on PATH; the process runner gives its own)
+#   a final decision in the watchdog's state file: no training, exit with its code
 #
 # The trainer's exit code is what the watchdog acts on (75 relaunch, 76/77 budget stop, 0 done,
 # ...). torchrun reports any failed worker as exit 1, so under torchrun each worker runs through
@@ -25,6 +26,17 @@ if [[ "${1:-}" == "--worker" ]]; then
     echo "$code" > "$X1_EXIT_DIR/rank${RANK:-0}"
   fi
   exit "$code"
+fi
+
+# Compose starts this container on every `docker compose up`; after the watchdog's final decision
+# (finished, budget stop, divergence, given up) that start must not train on: exit with the
+# decision's code instead (x1_watchdog.gate; the state file is the watchdog's --state-file).
+state_file="${X1_WATCHDOG_STATE_FILE:-/workspace/logs/watchdog-state.json}"
+if [[ -f "$state_file" ]]; then
+  final="$("${X1_PYTHON:-python}" -m x1_watchdog.gate "$state_file")" || exit 2
+  if [[ -n "$final" ]]; then
+    exit "$final"
+  fi
 fi
 
 nproc="${NPROC:-1}"

@@ -393,6 +393,8 @@ M_BUDGET_PLANNED_HOURS = "x1_budget_planned_hours"  # 0: none, the sidecar's pro
 M_WATCHDOG_RESTARTS = "x1_watchdog_restarts"  # counter with label reason: x1_watchdog_restarts_total
 M_WATCHDOG_TRAINER_UP = "x1_watchdog_trainer_up"
 M_WATCHDOG_DOWNTIME = "x1_watchdog_downtime_seconds"  # counter: x1_watchdog_downtime_seconds_total
+M_WATCHDOG_HEALTHY = "x1_watchdog_healthy"  # 0 while it cannot reach its trainer (docker mode: the Engine API)
+M_WATCHDOG_DOCKER_ENGINE = "x1_watchdog_docker_engine"  # info: x1_watchdog_docker_engine_info{api_version,...}
 
 # Counters: prometheus_client exports them with a `_total` suffix.
 COUNTER_METRICS = frozenset({M_TRAIN_TOKENS, M_BUDGET_POLL_FAILURES, M_WATCHDOG_RESTARTS, M_WATCHDOG_DOWNTIME})

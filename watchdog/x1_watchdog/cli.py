@@ -38,8 +38,14 @@ modes:
             without relaunching (a second signal kills it at once). To stop a run, stop the
             watchdog: a trainer that exits 75 on its own is relaunched, as after a preemption.
   docker    drives the trainer container (--container) through the Docker Engine API on the
-            mounted socket (API v1.43): inspect, start, kill. Exercised on the GPU host only:
-            the container's own command carries --resume-from-latest. The Docker socket is
+            mounted socket: inspect, start, kill. The API version is negotiated with the engine
+            (Engine 20.10 / API 1.41 and newer), again when an upgraded engine refuses it. The
+            container's own command carries --resume-from-latest. An engine it cannot use (no
+            socket, no permission, too old) is reported, not exited on: the watchdog stays up,
+            unhealthy (x1_watchdog_healthy 0; `python -m x1_watchdog.healthcheck`), alerts, and
+            retries with backoff. SIGTERM/SIGINT end the watchdog only: the trainer container
+            keeps running and the next watchdog adopts it (`docker compose restart watchdog`);
+            stop the trainer itself with `docker compose stop trainer`. The Docker socket is
             root-equivalent; only this service should get it.
   provider  runs off the GPU host (your machine or a small always-on VM): polls the instance
             through the provider's API and brings it back after a preemption (RunPod podResume
@@ -49,8 +55,9 @@ modes:
             you stop yourself is resumed too: stop the keeper first.
 
 Every decision is a JSON line in --events-file ("event": start, exit, relaunch, stall, give_up,
-terminate). Prometheus on --port: x1_watchdog_restarts_total{reason}, x1_watchdog_trainer_up,
-x1_watchdog_downtime_seconds_total. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY;
+terminate, unhealthy, healthy). Prometheus on --port: x1_watchdog_restarts_total{reason},
+x1_watchdog_trainer_up, x1_watchdog_downtime_seconds_total, x1_watchdog_healthy,
+x1_watchdog_docker_engine_info. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY;
 alerts from SLACK_WEBHOOK_URL / SMTP_* (x1_common.alerts); none of them is ever logged.
 
 example (process mode):
@@ -226,11 +233,11 @@ def ensure_writable_dir(path: Path, option: str) -> None:
         raise OSError(f"{option} {path}: directory {path.parent} is not writable")
 
 
-def make_handle(args: argparse.Namespace, command: list[str]) -> TrainerHandle:
+def make_handle(args: argparse.Namespace, command: list[str], metrics: WatchdogMetrics) -> TrainerHandle:
     if args.mode == "docker":
         from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
 
-        return DockerHandle(args.container, socket_path=args.docker_socket)
+        return DockerHandle(args.container, socket_path=args.docker_socket, on_engine=metrics.docker_engine)
     return ProcessHandle(command, log_path=args.trainer_log)
 
 
@@ -292,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         on_final = Terminator(client, args.provider, args.instance_id, args.termination_file, state, events, alerter,
                               run_dir=args.run_dir)
     try:
-        handle = make_handle(args, command)
+        handle = make_handle(args, command, metrics)
     except StartError as e:
         log.error("%s", e)
         return ExitCode.USAGE
@@ -300,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         handle,
         StallDetector(args.heartbeat_file, args.stall_seconds, args.startup_grace_seconds),
         policy,
-        SupervisorSettings(term_grace_seconds=args.term_grace_seconds, check_seconds=args.check_seconds),
+        SupervisorSettings(term_grace_seconds=args.term_grace_seconds, check_seconds=args.check_seconds,
+                           forward_stop=args.mode != "docker"),
         state, events, metrics, alerter, stop, on_final,
     )
     try:

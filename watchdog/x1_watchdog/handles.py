@@ -52,6 +52,13 @@ class StartError(Exception):
     """The trainer could not be started at all (missing command, no container): a person must act."""
 
 
+class TrainerUnreachable(StartError):
+    """The trainer cannot be reached or started now (docker mode: the Engine's socket missing or
+    not ours, an engine too old, a container the runtime refuses to start). The supervisor stays
+    up, reports itself unhealthy, alerts and retries with backoff: exiting would have compose
+    restart the watchdog into the same error while the trainer runs unsupervised."""
+
+
 class TrainerHandle(Protocol):
     label: str  # what the logs call it: the command, or the container name
 

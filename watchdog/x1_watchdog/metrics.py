@@ -5,10 +5,17 @@ graphs must not cost the run its supervisor."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
 
-from x1_common.contracts import M_WATCHDOG_DOWNTIME, M_WATCHDOG_RESTARTS, M_WATCHDOG_TRAINER_UP
+from x1_common.contracts import (
+    M_WATCHDOG_DOCKER_ENGINE,
+    M_WATCHDOG_DOWNTIME,
+    M_WATCHDOG_HEALTHY,
+    M_WATCHDOG_RESTARTS,
+    M_WATCHDOG_TRAINER_UP,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +38,18 @@ class WatchdogMetrics:
         self._downtime = Counter(
             M_WATCHDOG_DOWNTIME,
             "Seconds between a trainer's exit (or an instance's loss) and its relaunch, summed.",
+            registry=self.registry,
+        )
+        # compose's healthcheck reads this (python -m x1_watchdog.healthcheck): 0 is unhealthy.
+        self._healthy = Gauge(
+            M_WATCHDOG_HEALTHY,
+            "1 while the watchdog can supervise its trainer, 0 while it cannot reach it "
+            "(docker mode: the Engine socket missing or refused, an unsupported Engine API version).",
+            registry=self.registry,
+        )
+        self._healthy.set(1)
+        self._engine = Info(
+            M_WATCHDOG_DOCKER_ENGINE, "docker mode: the Engine's release, the API versions it serves, the one spoken.",
             registry=self.registry,
         )
         for reason in RESTART_REASONS:
@@ -56,3 +75,15 @@ class WatchdogMetrics:
 
     def set_up(self, up: bool) -> None:
         self._up.set(1 if up else 0)
+
+    def set_healthy(self, healthy: bool) -> None:
+        self._healthy.set(1 if healthy else 0)
+
+    def docker_engine(self, engine: Any) -> None:
+        """docker mode, after each negotiation (an x1_watchdog.docker.Engine)."""
+        self._engine.info({
+            "version": engine.version or "unknown",
+            "api_version": str(engine.api_version),
+            "min_api_version": str(engine.min_api_version or "unknown"),
+            "speaking": str(engine.speak),
+        })

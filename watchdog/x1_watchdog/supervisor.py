@@ -7,6 +7,10 @@
 
 Each decision is a line in the events file; the final ones also go to the state file, which a
 restarted watchdog reads before it launches anything.
+
+A trainer that cannot be reached (docker mode: the Engine's socket or API version) is no
+decision: the supervisor reports itself unhealthy (metrics, an alert, an event), keeps the
+trainer counted as running, and retries a start with backoff until it succeeds or is stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from x1_common.contracts import ExitCode
-from x1_watchdog.handles import TrainerExit, TrainerHandle
+from x1_watchdog.handles import TrainerExit, TrainerHandle, TrainerUnreachable
 from x1_watchdog.metrics import WatchdogMetrics
 from x1_watchdog.policy import RestartPolicy, StallDetector
 from x1_watchdog.records import EventLog, StateStore
@@ -70,10 +74,18 @@ class StopRequest:
         return self._event.wait(max(0.0, seconds))
 
 
+class LeaveRunning(Exception):
+    """A stop request in a mode that does not forward it (docker): end the watch, not the trainer."""
+
+
 @dataclass(frozen=True)
 class SupervisorSettings:
     term_grace_seconds: float  # SIGTERM → SIGKILL: the trainer's emergency checkpoint must fit
     check_seconds: float  # how often the loop looks at the trainer and the heartbeat
+    # A stop of the watchdog stops its trainer (process mode: the trainer is its child). Docker
+    # mode leaves the container running: a restarted or upgraded watchdog adopts it, and compose
+    # stops the trainer itself when asked to.
+    forward_stop: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,8 @@ class Supervisor:
         self.alerter = alerter
         self.stop = stop
         self.on_final = on_final  # after a final decision is persisted: e.g. terminate the instance
+        self._unreachable_since: float | None = None  # wall time the trainer became unreachable
+        self._unreachable_detail = ""
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -142,8 +156,15 @@ class Supervisor:
             self.handle.end_leftover(self.state.trainer, self.settings.term_grace_seconds)
         downtime: float | None = None
         while True:
-            self._start(resume, downtime)
-            outcome = self._watch()
+            if not self._start(resume, downtime):
+                log.info("stop requested while the trainer was unreachable; exiting without a decision")
+                return 128 + (self.stop.signum or signal.SIGTERM)
+            try:
+                outcome = self._watch()
+            except LeaveRunning:
+                log.info("stop requested: leaving %s running for the next watchdog to adopt", self.handle.label)
+                self.events.write("leave_running", pid=self.handle.pid, trainer=self.handle.label)
+                return 0
             exited_at = time.monotonic()
             self.metrics.set_up(False)
             ex = outcome.exit
@@ -177,8 +198,21 @@ class Supervisor:
             )
             resume = True
 
-    def _start(self, resume: bool, downtime: float | None) -> None:
-        self.handle.start(resume)
+    def _start(self, resume: bool, downtime: float | None) -> bool:
+        """Starts (or adopts) the trainer, retrying an unreachable one with backoff; False when a
+        stop was requested before it could be started."""
+        delay = max(self.policy.backoff_base_seconds, 0.5)
+        while True:
+            try:
+                self.handle.start(resume)
+                break
+            except TrainerUnreachable as e:
+                self._unreachable(e)
+                log.error("cannot start or adopt the trainer: %s; retrying in %.1f s", e, delay)
+                if self.stop.wait(delay):
+                    return False
+                delay = min(delay * 2, max(self.policy.backoff_max_seconds, 1.0))
+        self._reachable()
         self.detector.arm(self.handle.started_at)
         self.state.record_start(self.handle.identity())
         self.metrics.set_up(True)
@@ -186,13 +220,59 @@ class Supervisor:
             "start", pid=self.handle.pid, trainer=self.handle.label, resume=resume,
             restart=self.state.restarts_total, downtime_seconds=None if downtime is None else round(downtime, 3),
         )
+        return True
+
+    def _poll(self) -> TrainerExit | None:
+        """handle.poll(); an unreachable trainer counts as running (the heartbeat still tells a
+        stall) and makes the watchdog unhealthy until it answers again."""
+        try:
+            ex = self.handle.poll()
+        except TrainerUnreachable as e:
+            self._unreachable(e)
+            return None
+        self._reachable()
+        return ex
+
+    # -- health: can the watchdog see its trainer? ----------------------------------------------
+
+    def _unreachable(self, e: TrainerUnreachable) -> None:
+        detail = str(e)
+        first = self._unreachable_since is None
+        if first:
+            self._unreachable_since = time.time()
+            self.metrics.set_healthy(False)
+        if first or detail != self._unreachable_detail:
+            # Once per outage and per new cause, not once per poll.
+            log.error("watchdog unhealthy: %s", detail)
+            self.events.write("unhealthy", trainer=self.handle.label, detail=detail)
+            self.alerter.send(
+                "watchdog-unhealthy", f"watchdog cannot supervise {self.handle.label}", detail,
+                {"trainer": self.handle.label},
+            )
+        self._unreachable_detail = detail
+
+    def _reachable(self) -> None:
+        if self._unreachable_since is None:
+            return
+        seconds = round(time.time() - self._unreachable_since, 3)
+        log.info("watchdog healthy again: %s answers (unreachable for %.0f s)", self.handle.label, seconds)
+        self.events.write("healthy", trainer=self.handle.label, unreachable_seconds=seconds)
+        self.alerter.send(
+            "watchdog-healthy", f"watchdog supervises {self.handle.label} again",
+            f"After {seconds:.0f} s: {self._unreachable_detail}", {"trainer": self.handle.label},
+        )
+        self.metrics.set_healthy(True)
+        self._unreachable_since = None
+        self._unreachable_detail = ""
 
     def _watch(self) -> Outcome:
         while True:
-            ex = self.handle.poll()
+            ex = self._poll()
             if ex is not None:
                 return Outcome(ex, cause=None, stop_requested=False)
             if self.stop.requested:
+                if not self.settings.forward_stop:
+                    raise LeaveRunning()
                 return Outcome(self._forward_stop(), cause=None, stop_requested=True)
             stalled = self.detector.check(time.time())
             if stalled:
@@ -223,7 +303,7 @@ class Supervisor:
         deadline = time.monotonic() + grace
         stops_seen = self.stop.count
         while time.monotonic() < deadline:
-            ex = self.handle.poll()
+            ex = self._poll()
             if ex is not None:
                 return ex
             if impatient and self.stop.count > stops_seen:
@@ -235,7 +315,7 @@ class Supervisor:
         self.handle.kill()
         deadline = time.monotonic() + KILL_WAIT_SECONDS
         while time.monotonic() < deadline:
-            ex = self.handle.poll()
+            ex = self._poll()
             if ex is not None:
                 return ex
             time.sleep(0.05)
