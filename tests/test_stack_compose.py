@@ -283,7 +283,7 @@ def test_every_setting_compose_reads_has_the_same_default_in_the_definition():
         compose_defaults.setdefault(m.group(1), set()).add(m.group(2) or "")
     ours = set(S.DEFAULTS)
     for name, defaults in compose_defaults.items():
-        if name in ("DOCKER_GID", "X1_WORKSPACE", "NGC_PYTORCH_TAG", "TRAINER_FLOAT8", "TRAINER_SHM_SIZE",
+        if name in ("DOCKER_GID", "X1_WORKSPACE", "NGC_PYTORCH_TAG", "PYTHON_IMAGE", "TRAINER_FLOAT8", "TRAINER_SHM_SIZE",
                     "GRAFANA_HOST_PORT") or name.startswith("GF_"):
             continue  # build, volume and Grafana settings: not part of a service's command or environment
         assert name in ours, f"compose.yaml reads {name}; x1_common.services.DEFAULTS does not know it"

@@ -266,6 +266,9 @@ def trainer(s: Settings, m: Mode) -> Service:
         f"--metrics-port={m.port('trainer', s)}",
         f"--metrics-host={m.bind_host}",
         f"--heartbeat-file={m.ws('logs', 'heartbeat.json')}",
+        # After a final exit: export, post-mortem draft and dod into the run folder on the volume,
+        # before a terminating watchdog ends the instance (it adds termination.json there).
+        f"--run-dir={m.ws('run')}",
     ]
     env = {
         "NPROC": s["NPROC"],
@@ -316,7 +319,7 @@ def watchdog(s: Settings, m: Mode) -> Service:
     ]
     if s["TERMINATE_ON_FINISH"] == "1":
         argv += ["--terminate-on-finish", "--provider", s["PROVIDER"], "--instance-id", s["INSTANCE_ID"],
-                 "--termination-file", m.ws("logs", "termination.json")]
+                 "--termination-file", m.ws("logs", "termination.json"), "--run-dir", m.ws("run")]
         if s["PROVIDER_API_URL"]:
             argv += ["--api-url", s["PROVIDER_API_URL"]]
     env = {
