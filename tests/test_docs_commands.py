@@ -68,10 +68,14 @@ def doc_commands() -> list[DocCommand]:
     for doc in DOCS:
         text = doc.read_text(encoding="utf-8")
         for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+            pending = ""  # a command whose single quote is still open goes on over the next line (sh -c '...')
             for line in block.replace("\\\n", " ").splitlines():
-                line = re.split(r"(?:^|\s+)#(?:\s|$)", line, maxsplit=1)[0].strip()
-                if line:
-                    out.append(DocCommand(doc.name, re.sub(r"\s+", " ", line)))
+                line = re.split(r"(?:^|\s+)#(?:\s|$)", line, maxsplit=1)[0].strip() if not pending else line.strip()
+                pending = f"{pending} {line}".strip()
+                if pending and re.sub(r"<[^<>]*>", "", pending).count("'") % 2 == 0:  # <the pod's id> is prose
+                    out.append(DocCommand(doc.name, re.sub(r"\s+", " ", pending)))
+                    pending = ""
+            assert not pending, f"{doc.name}: an unclosed quote in a sh block: {pending}"
         prose = re.sub(r"```.*?```", "", text, flags=re.S)
         for span in re.findall(r"`([^`]+)`", prose):
             span = re.sub(r"\s+", " ", span).strip()
@@ -86,16 +90,26 @@ def doc_commands() -> list[DocCommand]:
 
 SKIPS: tuple[tuple[str, str], ...] = (
     (r"^make (demo|test)$", "the demo and the suite themselves: tests/test_demo.py runs the demo, this is the suite"),
-    (r"^(\S+=\S+ )?docker (?!compose run --rm --no-deps prepare python -m )",
-     "Docker Engine on the GPU host (no engine here; compose.yaml is checked by tests/test_static_checks.py)"),
+    (r"^(\S+=\S+ )*docker (?!compose run --rm --no-deps prepare python -m )",
+     "Docker Engine on the GPU host (tests/test_docker_compose.py runs the stack on a real engine; compose.yaml is "
+     "checked by tests/test_static_checks.py)"),
+    (r"^bash -c 'if \[ -x /workspace/venv/bin/python \]",
+     "the pod's start command: tests/test_stack.py runs it against a scratch volume, set up and not"),
+    (r"^cd /workspace && git clone ", "a clone of this repository onto the pod's network volume"),
+    (r"^python -m (venv|pip) |^/workspace/venv/bin/pip ",
+     "the pod's one-time virtual environment on its volume (the image's torch kept); make install builds this suite's"),
+    (r"^(/workspace/venv/bin/)?python -m x1_pretrain\.stack (up|prepare)\b",
+     "the whole stack, or FineWeb-Edu's download: tests/test_stack.py runs `stack up` (foreground and -d), status and "
+     "down on a tiny .env; tests/test_demo.py runs the demo's `up -d`"),
+    (r"^tail -f ", "follows a log until interrupted"),
     (r"^nvidia-smi", "a GPU"),
     (r"^ssh ", "a cloud instance to tunnel to"),
     (r"^stat -c %g /var/run/docker\.sock", "the Docker socket of the GPU host"),
     (r"^sudo ", "root on the GPU host's persistent disk (/lambda/nfs)"),
     (r"^curl -s localhost:9792", "the running stack's sidecar"),
     (r"^torchrun ", "the trainer's flags elided ('...'); tests/test_distributed.py runs the trainer under torchrun on CPU"),
-    (r"^LAMBDA_API_KEY=\.\.\. python -m x1_watchdog --mode provider ",
-     "Lambda's real API and instances; tests/test_watchdog_provider.py runs provider mode against the fake"),
+    (r"^(LAMBDA|RUNPOD)_API_KEY=\.\.\. python -m x1_watchdog --mode provider ",
+     "the provider's real API and instances; tests/test_watchdog_provider.py runs provider mode against the fake"),
 )
 
 
@@ -124,7 +138,10 @@ class Workspace:
 MENTION = re.compile(r"^python -m [\w.]+( --mode \w+)?$")  # a module named in prose or the table, no arguments
 # Exit codes each command documents for a verdict rather than a usage error.
 VERDICTS = {"x1_pretrain.dod": {0, 1}, "x1_pretrain.finish": {0, 1}, "x1_pretrain.plan": {0, 78},
-            "budget_sidecar.price": {0, 78}}
+            "budget_sidecar.price": {0, 78}, "x1_pretrain.stack": {0, 1}}  # stack status: 1 when nothing runs
+# The pod's own values for the <...> the RunPod section leaves to the reader.
+ANGLE_PLACEHOLDERS = {"<the pod's price>": "0.89"}
+POD_PYTHON = "/workspace/venv/bin/python "  # the pod's venv: this suite's interpreter here
 
 
 def placeholders(module: str, ws: Workspace) -> dict[str, str]:
@@ -149,7 +166,7 @@ def fill(argv: list[str], module: str, ws: Workspace) -> list[str]:
         head, sep, tail = token.partition("/")
         if head in values:  # a whole placeholder, or one followed by a path ("DIR/spike-postmortem.md")
             token = values[head] + sep + tail
-        token = token.replace("http://mlflow-server:5000", ws.http_uri)
+        token = token.replace("http://mlflow-server:5000", ws.http_uri).replace("http://127.0.0.1:5000", ws.http_uri)
         if token.startswith("/workspace"):
             token = str(ws.root) + token[len("/workspace"):]
         elif "=/workspace" in token:
@@ -175,6 +192,10 @@ class Outcome:
 
 def run_one(cmd: DocCommand, ws: Workspace, scratch: Path) -> Outcome:
     text = cmd.text.removeprefix("docker compose run --rm --no-deps prepare ")
+    if text.startswith(POD_PYTHON):
+        text = "python " + text.removeprefix(POD_PYTHON)
+    for placeholder, value in ANGLE_PLACEHOLDERS.items():
+        text = text.replace(placeholder, value)
     env = cli_env(LAMBDA_API_KEY=API_KEY, RUNPOD_API_KEY=API_KEY)
     if not text.startswith("python -m "):  # shell lines: host checks and .env set-up, in a scratch folder
         shutil.copy(REPO / ".env.example", scratch / ".env.example")
@@ -224,7 +245,7 @@ def test_every_command_the_docs_show_is_run_or_skipped_for_a_stated_reason() -> 
                      "python -m budget_sidecar.price --provider lambda --instance-type gpu_1x_a100_sxm4 --wait"):
         assert expected in texts, expected
     unplaced = [c for c in commands if skip_reason(c.text) is None and not c.text.startswith(
-        ("python -m ", "docker compose run --rm --no-deps prepare python -m ", "cp ", "echo ", "df "))]
+        ("python -m ", POD_PYTHON + "-m ", "docker compose run --rm --no-deps prepare python -m ", "cp ", "echo ", "df "))]
     assert not unplaced, f"commands in the docs this test neither runs nor skips (add a rule): {unplaced}"
 
 

@@ -340,7 +340,9 @@ DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "DEPLOY.md"
 
 def runpod_section() -> str:
     text = DEPLOY.read_text(encoding="utf-8")
-    return text[text.index("## 8. RunPod"):text.index("## Security notes")]
+    start = re.search(r"^## \d+\. RunPod", text, re.M)
+    assert start is not None, "docs/DEPLOY.md has no numbered RunPod section"
+    return text[start.start():text.index("## Security notes")]
 
 
 def test_every_stack_command_in_the_runpod_section_is_accepted_by_the_cli():
