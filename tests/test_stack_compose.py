@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_static_checks import interpolate_all as interpolate  # compose's ${VAR...} over a parsed document
 
 from conftest import REPO
 from x1_common import services as S
@@ -32,37 +33,6 @@ DOCKERFILES = {"mlflow-server": REPO / "mlflow-server" / "Dockerfile", "budget-s
 
 # ---------------------------------------------------------------------------------------------
 # compose.yaml as compose reads it
-
-_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
-                       r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
-
-
-def interpolate(node, env: dict[str, str]):
-    """Compose's ${VAR}, ${VAR:-default}, ${VAR:?error}, ${VAR:+alt} and $$ over a parsed document."""
-    if isinstance(node, list):
-        return [interpolate(x, env) for x in node]
-    if isinstance(node, dict):
-        return {k: interpolate(v, env) for k, v in node.items()}
-    if not isinstance(node, str):
-        return node
-
-    def substitute(m: re.Match[str]) -> str:
-        if m.group("escaped"):
-            return "$"
-        name = m.group("name") or m.group("bare")
-        value, op, arg = env.get(name), m.group("op"), m.group("arg")
-        if op is None:
-            return value or ""
-        present = value is not None and (value != "" or not op.startswith(":"))
-        if op.endswith("-"):
-            return value if present else arg
-        if op.endswith("?"):
-            assert present, f"compose would refuse: {name}: {arg}"
-            return value
-        return arg if present else ""
-
-    return _VARIABLE.sub(substitute, node)
-
 
 def env_example() -> dict[str, str]:
     values = {}

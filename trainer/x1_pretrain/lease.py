@@ -64,6 +64,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from x1_common.contracts import ExitCode, redact
+from x1_common.procs import proc_start_ticks
 
 log = logging.getLogger("x1.lease")
 
@@ -132,19 +133,6 @@ def pid_namespace() -> str | None:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
-
-
-def proc_start_ticks(pid: int) -> int | None:
-    """Start time of a live process in clock ticks since boot (/proc/PID/stat field 22); None
-    when no such process runs (a zombie runs nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
 
 
 def iso(t: float) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from x1_common.contracts import end_reason, redact, should_relaunch
+from x1_common.procs import proc_start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -199,16 +200,3 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # the group is already empty
-
-
-def proc_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or None
-    when there is no such live process. A zombie counts as gone: it runs nothing."""
-    try:
-        stat = open(f"/proc/{pid}/stat", encoding="ascii", errors="replace").read()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
