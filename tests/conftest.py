@@ -7,13 +7,34 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 TINY_CONFIG = CONFIGS / "tiny-cpu.yaml"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str = "a condition", interval: float = 0.2,
+             tolerate: tuple[type[Exception], ...] = ()) -> Any:
+    """Poll `predicate` until it returns something truthy and return that; fail the test after
+    `timeout` seconds. `tolerate`: exceptions that mean "not yet" (a file another process has not
+    written yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except tolerate:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ import pytest
 from fake_docker_engine import FakeEngine
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, cli_env, free_port
+from conftest import REPO, cli_env, free_port, wait_for
 from receivers import WebhookReceiver
 from x1_watchdog.docker import CLIENT_MAX_API, CLIENT_MIN_API, ApiVersion, DockerHandle, choose_version
 from x1_watchdog.handles import TrainerUnreachable
@@ -247,17 +247,7 @@ def metric(port: int, name: str) -> float | None:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = predicate()
-        except (OSError, ValueError, KeyError):
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.1)
+    return wait_for(predicate, timeout, what, interval=0.1, tolerate=(OSError, ValueError, KeyError))
 
 
 def events(path: Path) -> list[dict[str, Any]]:

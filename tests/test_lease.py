@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, run_module, train_args
+from conftest import REPO, cli_env, run_module, train_args, wait_for
 from x1_pretrain import lease as L
 
 HOLDER = """
@@ -54,9 +54,24 @@ def holder(folder: Path, stale: float = 60.0, hold: float = 120.0, prefix: tuple
 
 
 def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the holder's whole group and wait until every process of it is gone: under
+    `unshare -f` the lease's owner is unshare's child, still exiting (its lock still held) when
+    unshare itself has already been reaped."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)
+
+    def group_gone() -> bool:  # no live member left (a zombie nobody reaps yet holds no lock)
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text(errors="replace").rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # ended while we looked
+            if int(fields[2]) == proc.pid and fields[0] not in ("Z", "X"):
+                return False
+        return True
+
+    wait_for(group_gone, 10, "the holder's process group to be gone", interval=0.01)
 
 
 def foreign_record(folder: Path, heartbeat_age: float, heartbeat_seconds: float = 1.0) -> Path:
@@ -250,16 +265,6 @@ def test_the_stale_time_comes_from_the_environment_and_bad_values_are_named(monk
 
 # ---------------------------------------------------------------------------------------------
 # The trainer
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def heartbeat_step(path: Path) -> int | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, free_port, run_module
+from conftest import cli_env, free_port, run_module, wait_for
 from x1_pretrain import lease as L
 from x1_pretrain import stack as stack_mod
 
@@ -49,16 +49,6 @@ def tiny_settings(**extra: str) -> dict[str, str]:
             "X1_CONFIG": "configs/tiny-cpu.yaml", "TOTAL_STEPS": str(TOTAL_STEPS), "CKPT_EVERY": "10",
             "EVAL_EVERY": "20", "LOG_EVERY": "2", "STALL_SECONDS": "180", "STARTUP_GRACE_SECONDS": "180",
             "MLFLOW_WORKERS": "1", **ports, **extra}
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +163,6 @@ def live(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path):
         yield env
     finally:
         stack("down", "--workspace", str(ws))
-
-
 
 
 @pytest.mark.slow

@@ -13,18 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REFERENCE_STEPS, free_port, run_module, start_trainer, train_args
+from conftest import REFERENCE_STEPS, free_port, run_module, start_trainer, train_args, wait_for
 from x1_common.contracts import Heartbeat
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
 
 
 def training_started(ckpt: Path) -> bool:

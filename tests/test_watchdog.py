@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, cli_env, free_port, run_module
+from conftest import REPO, cli_env, free_port, run_module, wait_for
 from receivers import WebhookReceiver
 from x1_common.contracts import end_reason
 
@@ -27,17 +27,7 @@ STUB = Path(__file__).with_name("stub_trainer.py")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = predicate()
-        except (OSError, ValueError, KeyError, IndexError):
-            value = None  # a file not there yet
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
+    return wait_for(predicate, timeout, what, interval=0.05, tolerate=(OSError, ValueError, KeyError, IndexError))
 
 
 def alive(pid: int) -> bool:
