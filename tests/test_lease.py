@@ -344,3 +344,12 @@ def test_a_trainer_refused_by_the_lease_has_written_nothing(tmp_path, tiny_data)
     assert f"pid {owner.pid}" in proc.stderr
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".x1-lease")) == []
     assert not (tmp_path / "mlruns").exists()
+
+
+def test_a_launch_refused_before_its_first_write_leaves_no_checkpoint_folder(tmp_path):
+    ckpt = tmp_path / "new" / "ckpt"
+    proc = run_module("x1_pretrain.train", *train_args(tmp_path / "no-data", ckpt, f"file://{tmp_path}/mlruns"),
+                      timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "meta.json: missing" in proc.stderr
+    assert not ckpt.exists()  # the lease made the folder, and took it away again unused

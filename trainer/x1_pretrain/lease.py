@@ -211,12 +211,16 @@ class Lease:
         self._lock_fd: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._created_folder = False
 
     # -- taking it -----------------------------------------------------------------------------
 
     def acquire(self, attempts: int = 8) -> Lease:
         """Takes the lease, taking over a dead owner's; raises LeaseHeld naming a live one."""
         try:
+            # A folder this lease creates goes again at release when nothing was written into it:
+            # a launch refused before its first write (bad data, a busy port) leaves no trace.
+            self._created_folder = not self.folder.exists()
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise LeaseError(f"{self.kind.folder_word} {self.folder}: cannot create it ({e.strerror})") from e
@@ -448,6 +452,9 @@ class Lease:
             self._unlock()
             with contextlib.suppress(OSError):
                 os.unlink(self.folder / self.owner.lock_file)
+        if self._created_folder:
+            with contextlib.suppress(OSError):  # not empty: the run wrote something there, keep it
+                self.folder.rmdir()
         with contextlib.suppress(ValueError):
             atexit.unregister(self.release)
 
