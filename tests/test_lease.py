@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env, run_module, train_args, wait_for
+from x1_common.procs import stat_fields
 from x1_pretrain import lease as L
 
 HOLDER = """
@@ -62,12 +63,9 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
     def group_gone() -> bool:  # no live member left (a zombie nobody reaps yet holds no lock)
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text(errors="replace").rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # ended while we looked
-            if int(fields[2]) == proc.pid and fields[0] not in ("Z", "X"):
+        for entry in Path("/proc").glob("[0-9]*"):
+            fields = stat_fields(int(entry.name))  # None: ended while we looked
+            if fields is not None and int(fields[2]) == proc.pid and fields[0] not in ("Z", "X"):
                 return False
         return True
 
