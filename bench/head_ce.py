@@ -1,7 +1,9 @@
-"""The cross-entropy kernels for one micro-batch of the 50M config (32 x 1024 rows of 50304 bf16
-logits, 3.3 GB), timed on a CUDA GPU: the forward (loss and logsumexp per row, one read) and the
-backward (the gradient, one read and one write), with the bytes each moves per second, and the
-head's matmul + loss forward and backward as the trainer runs them, eager.
+"""The cross-entropy kernels for one micro-batch of the 50M config (64 x 1024 rows of 50304 bf16
+logits, 6.6 GB), timed on a CUDA GPU: the forward (loss and logsumexp per row, one read), the
+backward (the gradient, one read and one write) and the kernel that does both (one read from HBM
+if the second read of each row hits L2, and one write) at several launch shapes, with the bytes
+each moves per second; the head's input-gradient matmul asked three ways; and the head's matmul +
+loss forward and backward as the trainer runs them, eager, both ways.
 
     python bench/head_ce.py [--json out.jsonl]
 """
@@ -19,9 +21,11 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
-N, D, V, VP = 32 * 1024, 768, 50257, 50304
-FWD_SHAPES = [(2048, 8, 4), (4096, 8, 8), (8192, 8, 8), (4096, 16, 8)]  # BLOCK, K, warps
-BWD_SHAPES = [(4096, 16), (8192, 16), (4096, 8)]  # BLOCK, warps
+N, D, V, VP = 64 * 1024, 768, 50257, 50304
+FWD_SHAPES = [(4096, 8, 8), (8192, 8, 8)]  # BLOCK, K, warps
+BWD_SHAPES = [(4096, 16), (8192, 16)]  # BLOCK, warps
+GRAD_SHAPES = [(4096, 8, 8, 2), (4096, 8, 8, 4), (8192, 8, 16, 1), (8192, 8, 16, 2), (16384, 8, 16, 1),
+               (16384, 8, 32, 1), (8192, 8, 8, 4)]  # BLOCK, K, warps, programs per SM
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -72,19 +76,50 @@ def main() -> int:
         rows.append({"what": f"kernel: backward, BLOCK={block} warps={warps}", "ms": round(ms, 3),
                      "TB_per_s": round(2 * gb / ms, 2)})
 
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for block, k, warps, per_sm in GRAD_SHAPES:  # forward and gradient in one kernel: 1 read + 1 write if L2 serves the 2nd
+        ms = time_ms(lambda b=block, k=k, w=warps, p=per_sm: losses._ce_fwd_grad_kernel[(sms * p,)](
+            logits, VP, grad, targets, loss, lse, N, V, VP, BLOCK=b, K=k, num_warps=w))
+        rows.append({"what": f"kernel: forward + gradient, BLOCK={block} K={k} warps={warps} per SM={per_sm}",
+                     "ms": round(ms, 3), "TB_per_s": round(2 * gb / ms, 2)})
+
+    w16 = (torch.randn(VP, D, device="cuda") * 0.05).bfloat16()
+    per_wave = sms * 192 // (D // 192)  # rows of 192 x 192 tiles that fill one wave: 6336 on 132 SMs
+    cut = N // per_wave * per_wave  # 63360: the rest, 2176 rows, another kernel (split-K, maybe)
+    dgrads = [("as asked: grad @ w", lambda: grad @ w16),
+              ("swapped: (w.T @ grad.T).T", lambda: (w16.t() @ grad.t()).t()),
+              (f"rows split at {cut}", lambda: torch.cat([grad[:cut] @ w16, grad[cut:] @ w16]))]
+    try:
+        torch.mm(grad[:256], w16, out_dtype=torch.float32)
+        dgrads.append(("fp32 output", lambda: torch.mm(grad, w16, out_dtype=torch.float32)))
+    except (TypeError, RuntimeError) as e:
+        print(f"mm with out_dtype: {e}")
+    for what, fn in dgrads:
+        ms = time_ms(fn)
+        rows.append({"what": f"head input gradient, {what}", "ms": round(ms, 3),
+                     "TFLOP_per_s": round(2 * N * VP * D / ms / 1e9, 1)})
+
     h = (torch.randn(N, D, device="cuda") * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(VP, D, device="cuda") * 0.05).requires_grad_()  # fp32 master, as in training
 
     def head_and_loss():
         loss = losses.fused_cross_entropy(F.linear(h, w.bfloat16()), targets, V)
-        (loss / 16).backward()
+        (loss / 8).backward()
 
-    ms = time_ms(head_and_loss)
-    rows.append({"what": "head matmul + loss, forward and backward", "ms": round(ms, 3)})
+    def head_loss_one_kernel():
+        (losses.head_cross_entropy(h, w.bfloat16(), targets, V) / 8).backward()
+
+    logits = grad = None  # 13 GB back before the head's runs
+    for what, fn in (("head matmul + loss, forward and backward (two kernels)", head_and_loss),
+                     ("head matmul + loss, forward and backward (one kernel)", head_loss_one_kernel)):
+        torch.cuda.reset_peak_memory_stats()
+        ms = time_ms(fn, reps=10)
+        rows.append({"what": what, "ms": round(ms, 3), "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
     gpu = torch.cuda.get_device_name()
     for r in rows:
-        extra = f"  {r['TB_per_s']} TB/s" if "TB_per_s" in r else ""
-        print(f"{r['what']:<45} {r['ms']:8.3f} ms{extra}")
+        extra = "".join(f"  {r[key]} {unit}" for key, unit in (("TB_per_s", "TB/s"), ("TFLOP_per_s", "TFLOP/s"),
+                                                                ("peak_GiB", "GiB peak")) if key in r)
+        print(f"{r['what']:<75} {r['ms']:8.3f} ms{extra}")
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({"gpu": gpu, **r}) + "\n")

@@ -76,6 +76,9 @@ VARIANTS: dict[str, dict] = {
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
+    "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
+    "expand-kv": {"patch": {"x1_pretrain.model.EXPAND_KV": True}},
+    "grad-16k": {"patch": {"x1_pretrain.losses.GRAD_LAUNCH": {"BLOCK": 16384, "K": 8, "num_warps": 16, "PER_SM": 1}}},
     "float8": {"sets": ["train.float8=tensorwise"]},
     "float8-rowwise": {"sets": ["train.float8=rowwise"]},
     # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding

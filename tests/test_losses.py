@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from x1_pretrain.kernels import INTERPRET
-from x1_pretrain.losses import fused_available, fused_cross_entropy
+from x1_pretrain.losses import _HeadLoss, fused_available, fused_cross_entropy, head_cross_entropy
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -47,6 +47,63 @@ def test_fused_cross_entropy_kernel_on_bf16_logits_matches_fp32_reference():
     rel = (logits.grad.float() - ref_logits.grad).norm() / ref_logits.grad.norm()
     assert rel < 1e-2  # bf16 gradient
     assert logits.grad[:, vocab:].abs().max() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_and_loss_in_one_function_match_linear_then_cross_entropy_in_value_and_both_gradients(device):
+    # 300 rows over 3 programs (the interpreter's grid): each program loops over its rows; 9000
+    # columns: several tiles per pass, the last partial, with padded columns and padded rows of w.
+    torch.manual_seed(3)
+    vocab, padded, d = 9000, 9024, 32
+    h = torch.randn(3, 100, d, device=device).requires_grad_()
+    w = (torch.randn(padded, d, device=device) * 0.5).requires_grad_()
+    with torch.no_grad():
+        w[vocab:] = 0
+    targets = torch.randint(0, vocab, (3, 100), device=device)
+    ours = head_cross_entropy(h, w, targets, vocab)
+    (ours * 0.25).backward()  # a scaled loss, as with gradient accumulation
+    g_h, g_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = F.cross_entropy(F.linear(h, w)[..., :vocab].reshape(-1, vocab), targets.reshape(-1))
+    (ref * 0.25).backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_h, h.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(g_w, w.grad, rtol=1e-4, atol=1e-6)
+    assert g_w[vocab:].abs().max() == 0  # padded columns never count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_head_functions_backward_scales_each_row_by_its_own_loss_gradient(device):
+    # The forward writes the unscaled softmax - onehot; a row's loss gradient is applied to the
+    # matmuls' inputs and outputs. Weights differing per row (not a mean) pin that it is per row.
+    torch.manual_seed(4)
+    vocab, d = 1000, 16
+    h = torch.randn(40, d, device=device).requires_grad_()
+    w = torch.randn(vocab, d, device=device).requires_grad_()
+    targets = torch.randint(0, vocab, (40,), device=device)
+    weights = torch.rand(40, device=device) * 3
+    (_HeadLoss.apply(h, w, targets, vocab) * weights).sum().backward()
+    g_h, g_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    (F.cross_entropy(h @ w.t(), targets, reduction="none") * weights).sum().backward()
+    torch.testing.assert_close(g_h, h.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(g_w, w.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA GPU")
+def test_the_forward_and_gradient_kernel_on_bf16_logits_matches_the_two_kernels_it_replaces():
+    from x1_pretrain.losses import ce_bwd, ce_fwd, ce_fwd_grad
+
+    torch.manual_seed(5)
+    vocab, padded = 50257, 50304
+    logits = (torch.randn(4096, padded, device="cuda") * 4).bfloat16()
+    targets = torch.randint(0, vocab, (4096,), device="cuda")
+    loss, grad = ce_fwd_grad(logits, targets, vocab)
+    ref_loss, lse = ce_fwd(logits, targets, vocab)
+    ref_grad = ce_bwd(logits, targets, lse, torch.ones_like(lse), vocab)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-2, atol=1e-5)  # one bf16 rounding apart at most
+    assert grad[:, vocab:].abs().max() == 0
 
 
 def test_model_loss_is_the_same_with_the_fused_path():

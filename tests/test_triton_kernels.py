@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,10 @@ LAUNCHES = [
     (losses._ce_bwd_kernel, _sig("logits_ptr stride grad_ptr targets_ptr lse_ptr dloss_ptr V Vp",
                                  {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "lse_ptr": "*fp32", "dloss_ptr": "*fp32"}),
      _launch(losses.BWD_LAUNCH)),
+    (losses._ce_fwd_grad_kernel, _sig("logits_ptr stride grad_ptr targets_ptr loss_ptr lse_ptr n_rows V Vp",
+                                      {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32",
+                                       "lse_ptr": "*fp32"}),
+     _launch({k: v for k, v in losses.GRAD_LAUNCH.items() if k != "PER_SM"})),
 ]
 
 
@@ -75,8 +80,9 @@ def test_every_kernel_compiles_for_ampere_and_hopper(arch):
 
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
-@pytest.mark.parametrize(("kernel", "narrow_loads"), [(losses._ce_fwd_kernel, 1), (losses._ce_bwd_kernel, 0)],
-                         ids=["forward", "backward"])
+@pytest.mark.parametrize(("kernel", "narrow_loads"),
+                         [(losses._ce_fwd_kernel, 1), (losses._ce_bwd_kernel, 0), (losses._ce_fwd_grad_kernel, 1)],
+                         ids=["forward", "backward", "forward-and-gradient"])
 def test_the_cross_entropy_kernels_read_the_logits_16_bytes_at_a_time(kernel, narrow_loads):
     # As the JIT sees the 50M run: pointers 16-byte aligned, the row stride and the padded width
     # 50304 multiples of 16, the vocabulary 50257 not. A load masked at 50257 compiles to 2-byte
@@ -90,8 +96,9 @@ def test_the_cross_entropy_kernels_read_the_logits_16_bytes_at_a_time(kernel, na
                   attrs=aligned),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = compiled.asm["ptx"]
-    assert "ld.global.v4.b32" in ptx
-    assert ptx.count("ld.global.b16") == narrow_loads
+    loads = re.findall(r"ld\.global(?:\.L[12]::[a-z_]+)*\.(v4\.b32|b16)\b", ptx)  # with or without cache hints
+    assert "v4.b32" in loads
+    assert loads.count("b16") == narrow_loads
 
 
 def test_kernels_pass_the_op_tests_in_the_triton_interpreter():

@@ -1,5 +1,6 @@
 """Cross-entropy over bf16 logits without an fp32 copy of them: one read for the loss, one read and
-one write for the gradient.
+one write for the gradient; or, in training, both in one kernel whose second read of a row comes
+from L2 (`head_cross_entropy`).
 
 The head's logits for a 32 x 1024 micro-batch over 50304 columns are 3.3 GB in bf16; upcasting
 them to fp32 for `F.cross_entropy` writes and reads 6.6 GB more per pass. Here a Triton kernel
@@ -27,6 +28,9 @@ except ImportError:  # CPU-only torch builds have no Triton
 # warps); bench/head_ce.py times these against others on a GPU.
 FWD_LAUNCH = {"BLOCK": 4096, "K": 8, "num_warps": 8}
 BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
+# The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
+# programs per SM (see _ce_fwd_grad_kernel for why so few).
+GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 16, "PER_SM": 2}
 
 
 if triton is not None:
@@ -71,6 +75,48 @@ if triton is not None:
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
+    def _ce_fwd_grad_kernel(logits_ptr, stride, grad_ptr, targets_ptr, loss_ptr, lse_ptr, n_rows, V, Vp,
+                            BLOCK: tl.constexpr, K: tl.constexpr):
+        # The forward and the backward of a row in one program, for a training step: the loss and
+        # logsumexp as _ce_fwd_kernel computes them, then softmax - onehot written in the logits'
+        # dtype (unscaled: the caller applies d loss per row to the head's far smaller matmul
+        # outputs). Apart, the two kernels read the 6.6 GB of logits of a 64 x 1024 micro-batch
+        # twice from HBM; here the second read of a row is meant to hit L2. So the grid is
+        # persistent, a couple of programs per SM, each holding one 100 KB row between its two
+        # passes: a few hundred rows live, inside the 60 MB L2 (a grid of one program per row
+        # keeps ~1000 rows in flight, and the second read misses; the first attempt at this, a
+        # head + loss op with three passes, lost to the two kernels that way). The second pass
+        # walks the row backwards, so the tiles read last are reused first.
+        R: tl.constexpr = BLOCK // K
+        LOG2E: tl.constexpr = 1.4426950408889634
+        offs = tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]
+        full = V // BLOCK * BLOCK
+        n_tiles = tl.cdiv(Vp, BLOCK)
+        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row x stride > 2^31
+            base = logits_ptr + row * stride
+            out = grad_ptr + row * stride
+            m = tl.full([R], -1e30, tl.float32)
+            s = tl.zeros([R], tl.float32)
+            for start in range(0, full, BLOCK):
+                x = tl.load(base + start + offs, eviction_policy="evict_last")
+                m, s = _lanes_update(x.to(tl.float32), m, s)
+            if full < V:
+                cols = full + offs
+                x = tl.load(base + cols, mask=cols < Vp, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                m, s = _lanes_update(tl.where(cols < V, x, float("-inf")), m, s)
+            row_max = tl.max(m, 0)
+            lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
+            target = tl.load(targets_ptr + row)
+            tl.store(loss_ptr + row, lse - tl.load(base + target).to(tl.float32))
+            tl.store(lse_ptr + row, lse)
+            for i in range(0, n_tiles):
+                cols = (n_tiles - 1 - i) * BLOCK + offs
+                x = tl.load(base + cols, mask=cols < Vp, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                p = tl.where(cols < V, tl.exp2(x * LOG2E - lse * LOG2E), 0.0)  # 0 on padded columns
+                g = tl.where(cols == target, p - 1.0, p)
+                tl.store(out + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < Vp, eviction_policy="evict_first")
+
+    @triton.jit
     def _ce_bwd_kernel(logits_ptr, stride, grad_ptr, targets_ptr, lse_ptr, dloss_ptr, V, Vp, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -113,15 +159,19 @@ def _(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Te
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
+def _torch_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor, vocab: int) -> torch.Tensor:
+    p = torch.exp(logits[:, :vocab].float() - lse[:, None])
+    p.scatter_add_(1, targets[:, None], -torch.ones_like(p[:, :1]))
+    grad = torch.zeros_like(logits)
+    grad[:, :vocab] = (p * dloss[:, None]).to(logits.dtype)
+    return grad
+
+
 @torch.library.custom_op("x1::ce_bwd", mutates_args=())
 def ce_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor, vocab: int) -> torch.Tensor:
     """d loss / d logits, in the logits' dtype: (softmax - onehot) x dloss per row; 0 on padded columns."""
     if not triton_ok(logits):
-        p = torch.exp(logits[:, :vocab].float() - lse[:, None])
-        p.scatter_add_(1, targets[:, None], -torch.ones_like(p[:, :1]))
-        grad = torch.zeros_like(logits)
-        grad[:, :vocab] = (p * dloss[:, None]).to(logits.dtype)
-        return grad
+        return _torch_grad(logits, targets, lse, dloss, vocab)
     grad = torch.empty_like(logits)
     _ce_bwd_kernel[(logits.size(0),)](logits, logits.stride(0), grad, targets, lse, dloss.contiguous(), vocab,
                                       logits.size(1), **BWD_LAUNCH)
@@ -145,6 +195,65 @@ def _backward(ctx, dloss: torch.Tensor, dlse: torch.Tensor):
 
 
 ce_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def grad_programs(device: torch.device) -> int:
+    """How many programs the persistent forward-and-gradient kernel runs."""
+    if device.type != "cuda":
+        return 3  # the interpreter: a few programs, each looping over several rows
+    return torch.cuda.get_device_properties(device).multi_processor_count * GRAD_LAUNCH["PER_SM"]
+
+
+@torch.library.custom_op("x1::ce_fwd_grad", mutates_args=())
+def ce_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss (fp32) and its gradient d loss_row / d logits = softmax - onehot (the logits'
+    dtype, 0 on padded columns), in one kernel."""
+    if not triton_ok(logits):
+        loss, lse = _torch_fwd(logits, targets, vocab)
+        return loss, _torch_grad(logits, targets, lse, torch.ones_like(lse), vocab)
+    n = logits.size(0)
+    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    grad = torch.empty_like(logits)
+    launch = {k: v for k, v in GRAD_LAUNCH.items() if k != "PER_SM"}
+    _ce_fwd_grad_kernel[(min(n, grad_programs(logits.device)),)](logits, logits.stride(0), grad, targets, loss, lse, n,
+                                                                 vocab, logits.size(1), **launch)
+    return loss, grad
+
+
+@ce_fwd_grad.register_fake
+def _(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.new_empty(logits.size(0), dtype=torch.float32), torch.empty_like(logits)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """Per-row cross-entropy of the head's logits h @ w.T whose forward also computes the logits'
+    gradient, so that the backward is the head's two matmuls alone. The gradient of each row's
+    loss scales that row of the logits' gradient; it is applied to the matmuls' inputs and outputs
+    (N x d_model, Vp x d_model) rather than to the N x Vp gradient, which would cost another pass
+    over it."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+        loss, grad = ce_fwd_grad(h @ w.t(), targets, vocab)
+        ctx.save_for_backward(h, w, grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss: torch.Tensor):
+        h, w, grad = ctx.saved_tensors
+        d = dloss[:, None]
+        dh = ((grad @ w) * d).to(h.dtype)
+        dw = grad.t() @ (h * d).to(h.dtype)
+        return dh, dw, None, None
+
+
+def head_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Mean cross-entropy (fp32) of h (..., d_model) @ w.T against targets (...), padded columns of
+    w excluded: the head and the loss of a training step, its backward two matmuls.
+
+    h and w go in as they are: under autocast, the caller casts them as the head's matmul would."""
+    return _HeadLoss.apply(h.reshape(-1, h.size(-1)), w, targets.reshape(-1), vocab).mean()
 
 
 def fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
