@@ -24,8 +24,10 @@ sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 N, D, V, VP = 64 * 1024, 768, 50257, 50304
 FWD_SHAPES = [(4096, 8, 8), (8192, 8, 8)]  # BLOCK, K, warps
 BWD_SHAPES = [(4096, 16), (8192, 16)]  # BLOCK, warps
-GRAD_SHAPES = [(4096, 8, 8, 2), (4096, 8, 8, 4), (8192, 8, 16, 1), (8192, 8, 16, 2), (16384, 8, 16, 1),
-               (16384, 8, 32, 1), (8192, 8, 8, 4)]  # BLOCK, K, warps, programs per SM
+HINTS = ("evict_last", "evict_first")  # the L2 eviction hints of the two passes' loads
+GRAD_SHAPES = [(8192, 8, 16, 2, HINTS), (8192, 8, 16, 2, ("", "")), (8192, 8, 16, 1, HINTS), (8192, 8, 16, 3, HINTS),
+               (4096, 8, 8, 2, HINTS), (4096, 8, 8, 4, HINTS), (4096, 8, 16, 2, HINTS), (16384, 8, 16, 1, HINTS),
+               (8192, 8, 8, 3, HINTS)]  # BLOCK, K, warps, programs per SM, hints
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -44,6 +46,9 @@ def time_ms(fn, reps: int = 20) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="append the results as JSON lines to this file")
+    p.add_argument("--once", action="store_true",
+                   help="only launch the forward-and-gradient kernel, then the forward kernel, once each (for a profiler: "
+                        "ncu -k regex:_ce_fwd python bench/head_ce.py --once)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("head_ce: needs a CUDA GPU", file=sys.stderr)
@@ -53,6 +58,11 @@ def main() -> int:
     torch.manual_seed(0)
     logits = (torch.randn(N, VP, device="cuda") * 3).bfloat16()
     targets = torch.randint(0, V, (N,), device="cuda")
+    if args.once:
+        losses.ce_fwd_grad(logits, targets, V)
+        losses.ce_fwd(logits, targets, V)
+        torch.cuda.synchronize()
+        return 0
     dloss = torch.full((N,), 1.0 / N, device="cuda")
     _, lse = losses.ce_fwd(logits, targets, V)
     gb = logits.numel() * logits.element_size() / 1e9  # one read or one write of the logits
@@ -77,10 +87,15 @@ def main() -> int:
                      "TB_per_s": round(2 * gb / ms, 2)})
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for block, k, warps, per_sm in GRAD_SHAPES:  # forward and gradient in one kernel: 1 read + 1 write if L2 serves the 2nd
-        ms = time_ms(lambda b=block, k=k, w=warps, p=per_sm: losses._ce_fwd_grad_kernel[(sms * p,)](
-            logits, VP, grad, targets, loss, lse, N, V, VP, BLOCK=b, K=k, num_warps=w))
-        rows.append({"what": f"kernel: forward + gradient, BLOCK={block} K={k} warps={warps} per SM={per_sm}",
+    for block, k, warps, per_sm, (first, second) in GRAD_SHAPES:  # 1 read + 1 write if L2 serves the 2nd read
+        def launch(b=block, k=k, w=warps, p=per_sm, f=first, s=second):
+            return losses._ce_fwd_grad_kernel[(sms * p,)](logits, VP, grad, targets, loss, lse, N, V, VP,
+                                                          BLOCK=b, K=k, FIRST=f, SECOND=s, num_warps=w)
+        compiled = launch()
+        ms = time_ms(launch)
+        regs = f" ({getattr(compiled, 'n_regs', '?')} registers, {getattr(compiled, 'n_spills', '?')} spills)"
+        rows.append({"what": f"kernel: forward + gradient, BLOCK={block} K={k} warps={warps} per SM={per_sm} "
+                             f"hints={first or 'none'}/{second or 'none'}{regs}",
                      "ms": round(ms, 3), "TB_per_s": round(2 * gb / ms, 2)})
 
     w16 = (torch.randn(VP, D, device="cuda") * 0.05).bfloat16()

@@ -117,11 +117,13 @@ def test_token_ids_outside_the_vocab_are_a_data_error(tmp_path, tiny_data):
     assert "train.bin" in proc.stderr and "60000" in proc.stderr
 
 
-def test_too_many_nonfinite_steps_end_the_run_with_79(tmp_path, tiny_data):
-    # An absurd learning rate overflows the weights within a few steps.
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_too_many_nonfinite_steps_end_the_run_with_79(tmp_path, tiny_data, fused):
+    # An absurd learning rate overflows the weights within a few steps. Fused AdamW (the GPU's)
+    # is told to skip on the device; the others are not called.
     args = train_args(tiny_data, tmp_path / "ckpt", f"file://{tmp_path}/mlruns", "--set", "optim.lr=1e30",
                       "--set", "optim.min_lr=1e29", "--set", "optim.warmup_steps=0", "--set", "optim.grad_clip=1e30",
-                      total=200)
+                      "--set", f"optim.fused={fused}", total=200)
     proc = run_module("x1_pretrain.train", *args, timeout=300)
     assert proc.returncode == 79, proc.stderr[-2000:]
     assert "diverged" in proc.stderr and "non-finite" in proc.stderr

@@ -90,3 +90,29 @@ def test_compiled_autograd_trains_the_same_weights_as_the_eager_backward(tmp_pat
     for name, w in off.items():
         rel = ((on[name] - w).abs().max() / w.abs().max()).item()
         assert rel < 5e-5, f"{name}: relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["skipped-on-the-cpu", "skipped-on-the-device"])
+def test_a_nonfinite_step_leaves_weights_and_optimizer_state_as_they_were(fused):
+    # Fused AdamW skips on the device (found_inf), queued before the sync; the others are not called.
+    import torch
+
+    from x1_pretrain.distributed import Dist
+    from x1_pretrain.train import step_unless_nonfinite
+
+    single = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    w = torch.nn.Parameter(torch.ones(8))
+    opt = torch.optim.AdamW([w], lr=0.1, weight_decay=0.1, fused=fused)
+    w.grad = torch.full((8,), 0.5)
+    assert step_unless_nonfinite(opt, single, torch.tensor(2.0), torch.tensor(1.0)) == (2.0, 1.0, True)
+    after_one = w.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[w].items()}
+    assert not torch.equal(after_one, torch.ones(8))
+    for loss, norm in ((float("nan"), 1.0), (2.0, float("inf"))):
+        loss_v, norm_v, stepped = step_unless_nonfinite(opt, single, torch.tensor(loss), torch.tensor(norm))
+        assert not stepped and (math.isnan(loss_v) or math.isinf(norm_v))
+        assert torch.equal(w.detach(), after_one)
+        for key, value in opt.state[w].items():
+            assert torch.equal(value, state[key]), key
+    step_unless_nonfinite(opt, single, torch.tensor(2.0), torch.tensor(1.0))
+    assert not torch.equal(w.detach(), after_one) and opt.state[w]["step"].item() == 2

@@ -238,10 +238,8 @@ def train_loop(run: Run) -> int:
             grad_norm = grad_norm.full_tensor()
 
         # 4. optimizer step, unless the loss or the gradient is not finite
-        loss_v, grad_norm_v = torch.stack([loss, grad_norm.float()]).tolist()  # one CPU-GPU sync per step
-        finite = D.agree(run.dist, 0 if math.isfinite(loss_v) and math.isfinite(grad_norm_v) else 1) == 0
+        loss_v, grad_norm_v, finite = step_unless_nonfinite(run.optimizer, run.dist, loss, grad_norm)
         if finite:
-            run.optimizer.step()
             run.state.nonfinite_in_row = 0
         else:
             run.state.nonfinite_in_row += 1
@@ -288,6 +286,25 @@ def train_loop(run: Run) -> int:
         if code:
             return stop_run(run, step, ExitCode(code), budget.reason if budget.exit_code == code else "preempted")
     return finish(run, step)
+
+
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, dist: D.Dist, loss: torch.Tensor,
+                          grad_norm: torch.Tensor) -> tuple[float, float, bool]:
+    """The optimizer's step unless the loss or the gradient norm is not finite: (loss, grad norm,
+    whether it stepped), read back in the loop's one CPU-GPU sync per step.
+
+    Fused AdamW can be told on the device to skip (`found_inf`, as a GradScaler tells it): then the
+    step is queued before the sync, and the GPU runs it while the CPU does the step's bookkeeping
+    rather than idling until the CPU launches it. Ranks of a group agree on the CPU first."""
+    on_device = bool(optimizer.defaults.get("fused")) and not dist.enabled
+    if on_device:
+        optimizer.found_inf = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
+        optimizer.step()
+    loss_v, grad_norm_v = torch.stack([loss, grad_norm.float()]).tolist()
+    finite = D.agree(dist, 0 if math.isfinite(loss_v) and math.isfinite(grad_norm_v) else 1) == 0
+    if finite and not on_device:
+        optimizer.step()
+    return loss_v, grad_norm_v, finite
 
 
 def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
