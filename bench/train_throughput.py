@@ -152,6 +152,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="optimizer steps timed for the bare step")
     p.add_argument("--loop-steps", type=int, default=30, help="optimizer steps of the full loop (0 skips it)")
     p.add_argument("--peak-tflops", type=float, help="measured matmul peak (measured here when omitted)")
+    p.add_argument("--patch", action="append", default=[], metavar="MODULE.ATTR=JSON",
+                   help="a module switch set before setup, its value as JSON (bench/head_ce.py --best writes one)")
     p.add_argument("--name", default="ours")
     p.add_argument("--json", help="append the result as a JSON line to this file")
     args = p.parse_args()
@@ -168,6 +170,9 @@ def main() -> int:
     from x1_common.fsutil import write_json_atomic
     from x1_pretrain import train as T
 
+    for item in args.patch:
+        dotted, _, value = item.partition("=")
+        patches[dotted] = json.loads(value)
     apply_patches(patches)
 
     cuda = torch.cuda.is_available()

@@ -30,7 +30,7 @@ FWD_LAUNCH = {"BLOCK": 4096, "K": 8, "num_warps": 8}
 BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 # The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
 # programs per SM (see _ce_fwd_grad_kernel for why so few).
-GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 16, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
+GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
 
 
 if triton is not None:
@@ -75,32 +75,25 @@ if triton is not None:
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
-    def _grad_tile(x, cols, lse, target, out, Vp):
-        # softmax - onehot of one tile of logits (fp32, -inf on padded columns), stored in grad's dtype
-        LOG2E: tl.constexpr = 1.4426950408889634
-        p = tl.exp2(x * LOG2E - lse * LOG2E)  # exactly 0 on padded columns
-        g = tl.where(cols == target, p - 1.0, p)
-        tl.store(out + cols, g.to(out.dtype.element_ty), mask=cols < Vp, eviction_policy="evict_first")
-
-    @triton.jit
     def _ce_fwd_grad_kernel(logits_ptr, stride, grad_ptr, targets_ptr, loss_ptr, lse_ptr, n_rows, V, Vp,
                             BLOCK: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr, SECOND: tl.constexpr):
         # The forward and the backward of a row in one program, for a training step: the loss and
         # logsumexp as _ce_fwd_kernel computes them, then softmax - onehot written in the logits'
         # dtype (unscaled: the caller applies d loss per row to the head's far smaller matmul
         # operands). Apart, the two kernels read the 6.6 GB of logits of a 64 x 1024 micro-batch
-        # twice from HBM; here the second read of a row is meant to hit L2. So the grid is
-        # persistent, a couple of programs per SM, each holding one 100 KB row between its two
-        # passes: a few hundred rows live, inside the 60 MB L2 (a grid of one program per row
-        # keeps ~1000 rows in flight, and the second read misses: the first attempt at this, a
-        # head + loss op with three passes, lost to the two kernels that way). With so few
-        # programs, each keeps two tiles in flight: the next tile's load is issued before this
-        # one's math. The second pass walks the row backwards from the last tile, still in
-        # registers, so the tiles read last are reused first. FIRST / SECOND: the L2 eviction
-        # hints of the two passes' loads.
+        # twice from HBM; here the second read of a row comes from L2. So the grid is persistent,
+        # a few programs per SM, each holding one 100 KB row between its two passes: a few
+        # hundred rows live, inside the 60 MB L2 (a grid of one program per row keeps ~1000 rows
+        # in flight and the second read misses: the first attempt at this, a head + loss op with
+        # three passes, lost to the two kernels that way). With so few programs, latency is hidden
+        # by warps, not programs: many warps per program, few registers per thread (one 16-byte
+        # vector per tile each), nothing per element that can be done once per row: whole tiles
+        # load unmasked, the target's gradient is fixed up after its tile is written. The second
+        # pass starts from the last, partial tile, still in registers, then walks back.
         R: tl.constexpr = BLOCK // K
+        LOG2E: tl.constexpr = 1.4426950408889634
         offs = tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]
-        n_tiles = tl.cdiv(Vp, BLOCK)
+        full = V // BLOCK * BLOCK  # columns in whole tiles: all real, none padded
         for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row x stride > 2^31
             base = logits_ptr + row * stride
             out = grad_ptr + row * stride
@@ -108,27 +101,26 @@ if triton is not None:
             x_t = tl.load(base + target).to(tl.float32)  # issued early, used after the first pass
             m = tl.full([R], -1e30, tl.float32)  # finite: -inf - -inf would be NaN
             s = tl.zeros([R], tl.float32)
-            # Masked at the padded width (a multiple of 16: 16-byte loads); the padded columns
-            # are dropped by the where. Only a row's last tile has any.
-            x = tl.load(base + offs, mask=offs < Vp, other=0.0, eviction_policy=FIRST)
-            for i in range(1, n_tiles):
-                cols = i * BLOCK + offs
-                nxt = tl.load(base + cols, mask=cols < Vp, other=0.0, eviction_policy=FIRST)
-                m, s = _lanes_update(tl.where(cols - BLOCK < V, x.to(tl.float32), float("-inf")), m, s)
-                x = nxt
-            cols = (n_tiles - 1) * BLOCK + offs
-            x = tl.where(cols < V, x.to(tl.float32), float("-inf"))
+            for start in range(0, full, BLOCK):
+                m, s = _lanes_update(tl.load(base + start + offs, eviction_policy=FIRST).to(tl.float32), m, s)
+            tail = full + offs  # the last tile: up to the padded width (a multiple of 16: 16-byte loads)
+            x = tl.load(base + tail, mask=tail < Vp, other=0.0, eviction_policy=FIRST).to(tl.float32)
+            x = tl.where(tail < V, x, float("-inf"))  # padded columns: probability exactly 0
             m, s = _lanes_update(x, m, s)
             row_max = tl.max(m, 0)
             lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
             tl.store(loss_ptr + row, lse - x_t)
             tl.store(lse_ptr + row, lse)
-            for i in range(1, n_tiles):
-                prev = (n_tiles - 1 - i) * BLOCK + offs
-                nxt = tl.load(base + prev, mask=prev < Vp, other=0.0, eviction_policy=SECOND)
-                _grad_tile(x, prev + BLOCK, lse, target, out, Vp)
-                x = tl.where(prev < V, nxt.to(tl.float32), float("-inf"))
-            _grad_tile(x, offs, lse, target, out, Vp)
+            p = tl.exp2(x * LOG2E - lse * LOG2E)
+            tl.store(out + tail, p.to(grad_ptr.dtype.element_ty), mask=tail < Vp, eviction_policy="evict_first")
+            for i in range(0, full // BLOCK):
+                cols = full - (i + 1) * BLOCK + offs
+                p = tl.exp2(tl.load(base + cols, eviction_policy=SECOND).to(tl.float32) * LOG2E - lse * LOG2E)
+                tl.store(out + cols, p.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
+            # softmax - onehot: the target's column gets its p - 1, once every thread's store of
+            # the row is issued (the barrier orders them within the program)
+            tl.debug_barrier()
+            tl.store(out + target, (tl.exp2(x_t * LOG2E - lse * LOG2E) - 1.0).to(grad_ptr.dtype.element_ty))
 
     @triton.jit
     def _ce_bwd_kernel(logits_ptr, stride, grad_ptr, targets_ptr, lse_ptr, dloss_ptr, V, Vp, BLOCK: tl.constexpr):
