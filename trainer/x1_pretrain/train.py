@@ -293,18 +293,28 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, dist: D.Dist, loss: 
     """The optimizer's step unless the loss or the gradient norm is not finite: (loss, grad norm,
     whether it stepped), read back in the loop's one CPU-GPU sync per step.
 
-    Fused AdamW can be told on the device to skip (`found_inf`, as a GradScaler tells it): then the
-    step is queued before the sync, and the GPU runs it while the CPU does the step's bookkeeping
-    rather than idling until the CPU launches it. Ranks of a group agree on the CPU first."""
-    on_device = bool(optimizer.defaults.get("fused")) and not dist.enabled
-    if on_device:
-        optimizer.found_inf = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
-        optimizer.step()
-    loss_v, grad_norm_v = torch.stack([loss, grad_norm.float()]).tolist()
-    finite = D.agree(dist, 0 if math.isfinite(loss_v) and math.isfinite(grad_norm_v) else 1) == 0
-    if finite and not on_device:
-        optimizer.step()
-    return loss_v, grad_norm_v, finite
+    Fused AdamW can be told on the device to skip (`found_inf`, as a GradScaler tells it). Then the
+    two numbers are copied out and the step queued before the CPU waits, and it waits for the copy
+    alone: the GPU runs the step while the CPU does the step's bookkeeping. Ranks of a group agree
+    on the CPU first, so there the step waits for the sync."""
+    vals = torch.stack([loss, grad_norm.float()])
+    if not (optimizer.defaults.get("fused") and not dist.enabled):
+        loss_v, grad_norm_v = vals.tolist()
+        finite = D.agree(dist, 0 if math.isfinite(loss_v) and math.isfinite(grad_norm_v) else 1) == 0
+        if finite:
+            optimizer.step()
+        return loss_v, grad_norm_v, finite
+    optimizer.found_inf = (~torch.isfinite(vals)).any().float()
+    host = torch.empty(2, pin_memory=vals.is_cuda)
+    host.copy_(vals, non_blocking=True)
+    copied = torch.cuda.Event() if vals.is_cuda else None
+    if copied is not None:
+        copied.record()
+    optimizer.step()
+    if copied is not None:
+        copied.synchronize()
+    loss_v, grad_norm_v = host.tolist()
+    return loss_v, grad_norm_v, math.isfinite(loss_v) and math.isfinite(grad_norm_v)
 
 
 def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
