@@ -77,9 +77,6 @@ VARIANTS: dict[str, dict] = {
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
-    "expand-kv": {"patch": {"x1_pretrain.model.EXPAND_KV": True}},
-    "grad-4k": {"patch": {"x1_pretrain.losses.GRAD_LAUNCH": {"BLOCK": 4096, "K": 8, "num_warps": 8, "PER_SM": 4,
-                                                             "FIRST": "evict_last", "SECOND": "evict_first"}}},
     "float8": {"sets": ["train.float8=tensorwise"]},
     "float8-rowwise": {"sets": ["train.float8=rowwise"]},
     # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding

@@ -32,9 +32,6 @@ FUSED_SWIGLU = True
 # With the loss kernel on, in training: the head and the loss as one autograd Function whose
 # forward also writes the logits' gradient (losses.head_cross_entropy).
 FUSED_HEAD_GRAD = True
-# K and V repeated to every query head before SDPA instead of SDPA's own GQA: the same math, for
-# the benchmark to measure against cuDNN's GQA backward (its per-head reduction of dK and dV).
-EXPAND_KV = False
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -134,10 +131,10 @@ class Attention(nn.Module):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         T, S = q.size(2), k.size(2)
-        if self.n_kv_head != self.n_head and (EXPAND_KV or not _SDPA_HAS_GQA):  # or torch < 2.5
+        if self.n_kv_head != self.n_head and not _SDPA_HAS_GQA:  # torch < 2.5
             rep = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        gqa = {"enable_gqa": True} if (k.size(1) != self.n_head and _SDPA_HAS_GQA) else {}
+        gqa = {"enable_gqa": True} if (self.n_kv_head != self.n_head and _SDPA_HAS_GQA) else {}
         if start == 0 or T == 1:
             # No cache, or one new token that may see everything before it: plain causal / no mask.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=(start == 0 and T > 1), **gqa)
