@@ -298,23 +298,24 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, dist: D.Dist, loss: 
     alone: the GPU runs the step while the CPU does the step's bookkeeping. Ranks of a group agree
     on the CPU first, so there the step waits for the sync."""
     vals = torch.stack([loss, grad_norm.float()])
-    if not (optimizer.defaults.get("fused") and not dist.enabled):
+    on_device = bool(optimizer.defaults.get("fused")) and not dist.enabled
+    if on_device:
+        optimizer.found_inf = (~torch.isfinite(vals)).any().float()
+        host = torch.empty(2, pin_memory=vals.is_cuda)
+        host.copy_(vals, non_blocking=True)
+        copied = torch.cuda.Event() if vals.is_cuda else None
+        if copied is not None:
+            copied.record()
+        optimizer.step()
+        if copied is not None:
+            copied.synchronize()
+        loss_v, grad_norm_v = host.tolist()
+    else:
         loss_v, grad_norm_v = vals.tolist()
-        finite = D.agree(dist, 0 if math.isfinite(loss_v) and math.isfinite(grad_norm_v) else 1) == 0
-        if finite:
-            optimizer.step()
-        return loss_v, grad_norm_v, finite
-    optimizer.found_inf = (~torch.isfinite(vals)).any().float()
-    host = torch.empty(2, pin_memory=vals.is_cuda)
-    host.copy_(vals, non_blocking=True)
-    copied = torch.cuda.Event() if vals.is_cuda else None
-    if copied is not None:
-        copied.record()
-    optimizer.step()
-    if copied is not None:
-        copied.synchronize()
-    loss_v, grad_norm_v = host.tolist()
-    return loss_v, grad_norm_v, math.isfinite(loss_v) and math.isfinite(grad_norm_v)
+    finite = D.agree(dist, 0 if math.isfinite(loss_v) and math.isfinite(grad_norm_v) else 1) == 0
+    if finite and not on_device:
+        optimizer.step()
+    return loss_v, grad_norm_v, finite
 
 
 def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
