@@ -55,6 +55,28 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_data, reference_ru
     assert (ckpt / "final.safetensors").read_bytes() == (reference_run / "final.safetensors").read_bytes()
 
 
+def test_with_fused_adamw_skipping_on_the_device_a_sigkilled_run_resumes_bit_identical(tmp_path, tiny_data):
+    # The GPU's optimizer path (fused AdamW told on the device to skip a non-finite step, its
+    # step queued before the loop's sync) on the CPU: killed once and resumed, the final weights
+    # are byte-identical to an uninterrupted run's.
+    fused = ("--set", "optim.fused=on")
+    ref = tmp_path / "ref"
+    proc = run_module("x1_pretrain.train", *train_args(tiny_data, ref, f"file://{tmp_path}/ref-mlruns", *fused), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    args = train_args(tiny_data, ckpt, f"file://{tmp_path}/mlruns", *fused)
+    log = tmp_path / "train.log"
+    proc = start_trainer(args, log)
+    wait_for(lambda: heartbeat_step(ckpt) >= 13 or proc.poll() is not None, timeout=180)
+    assert proc.poll() is None, log.read_text()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc = start_trainer(args + ["--resume-from-latest"], log)
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert "resuming from" in log.read_text()
+    assert (ckpt / "final.safetensors").read_bytes() == (ref / "final.safetensors").read_bytes()
+
+
 def test_sigterm_writes_a_checkpoint_and_exits_75(tmp_path, tiny_data):
     ckpt = tmp_path / "ckpt"
     log = tmp_path / "train.log"
