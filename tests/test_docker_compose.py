@@ -244,8 +244,12 @@ def test_finished_run_is_not_retrained_by_a_second_compose_up(stack):
     weights = stack.path("checkpoints/final.safetensors")
     digest, latest, steps = sha256(weights), stack.latest_checkpoint(), logged_steps(stack)
     assert steps[-1] == TOTAL_STEPS
-    # TERMINATE_ON_FINISH=1: the watchdog terminates the instance (the fake billing API's) after the decision.
-    wait_for(lambda: stack.path("logs/termination.json").exists(), 120, "termination.json", diagnose=stack.logs)
+    # TERMINATE_ON_FINISH=1: the watchdog terminates the instance (the fake billing API's) after the
+    # decision. Its "terminate" event comes last, after termination.json and the run folder's update:
+    # the events are counted once it is in, or it would count as the second up's.
+    wait_for(lambda: any(e["event"] == "terminate" for e in stack.events()), 120, "the watchdog's terminate event",
+             diagnose=stack.logs)
+    assert stack.path("logs/termination.json").exists()
     n = len(stack.events())
 
     stack.compose("up", "-d", timeout=600)  # compose starts the trainer container again ...
