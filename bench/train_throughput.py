@@ -9,7 +9,9 @@ optimizer, MLflow, Prometheus, heartbeat, budget guard), then measures
   bare  — the step the loop runs: `train.accumulate` over the micro-batches + clip + AdamW step,
           timed over --steps optimizer steps with one sync at the end;
   loop  — `train.train_loop` itself for --loop-steps steps, logging every 10 steps to MLflow,
-          Prometheus and the heartbeat, with the budget guard on; its own logged tokens/s.
+          Prometheus and the heartbeat, with the budget guard on; its own logged tokens/s; then
+          the bare step once more, so the loop's overhead is also judged against the mean of the
+          bare step before and after it (a GPU that slows as it warms would count against the loop).
 
 Prints tokens/s, TFLOP/s, MFU against the datasheet and the measured matmul peak, peak memory and
 compile seconds as one JSON line. Run one variant per process (compile caches and memory start clean).
@@ -77,6 +79,9 @@ VARIANTS: dict[str, dict] = {
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
+    "rope-per-head": {"patch": {"x1_pretrain.kernels.ROPE_PER_HEAD": True}},  # the RoPE kernels before
+    "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
+    "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},
     "float8-rowwise": {"sets": ["train.float8=rowwise"]},
     # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding
@@ -205,13 +210,16 @@ def main() -> int:
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=not run.cudagraphs)
 
+    def bare(first: int) -> float:
+        t = time.perf_counter()
+        for i in range(first, first + args.steps):
+            one_step(i)
+        sync()
+        return args.steps * cfg.train.tokens_per_step / (time.perf_counter() - t)
+
     one_step(0)  # first real step: finishes autotuning / graph capture
     sync()
-    t = time.perf_counter()
-    for i in range(1, args.steps + 1):
-        one_step(i)
-    sync()
-    bare_tps = args.steps * cfg.train.tokens_per_step / (time.perf_counter() - t)
+    bare_tps = bare(1)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -228,7 +236,8 @@ def main() -> int:
         run.batches = run.make_batches(args.steps + 2, run.micro_batch, run.grad_accum)
         run.state.step = args.steps + 2
 
-    loop_tps = None
+    loop_tps = bare_after_tps = None
+    intervals: list[float] = []
     if args.loop_steps:
         if not args.profile:
             run.batches.close()
@@ -244,6 +253,11 @@ def main() -> int:
         hist = sorted(client.get_metric_history(rid, "tokens_per_sec"), key=lambda m: m.step)
         intervals = [m.value for m in hist[1:]] or [m.value for m in hist]  # the first interval holds warm-up
         loop_tps = statistics.median(intervals)
+        # The bare step once more, after the loop: a GPU that slowed as it warmed shows here, and
+        # the loop is also judged against the mean of the bare step before and after it.
+        run.batches.close()
+        run.batches = run.make_batches(1, run.micro_batch, run.grad_accum)  # the first bare run's batches again
+        bare_after_tps = bare(1)
     run.batches.close()
 
     fpt = run.flops_per_token
@@ -255,6 +269,9 @@ def main() -> int:
         "bare_mfu_measured": round(bare_tps * fpt / 1e12 / peak, 4), "bare_mfu_989": round(bare_tps * fpt / 1e12 / 989, 4),
         "loop_tokens_per_sec": round(loop_tps) if loop_tps else None,
         "loop_overhead": round(1 - loop_tps / bare_tps, 4) if loop_tps else None,
+        "loop_intervals": [round(v) for v in intervals] if loop_tps else None,
+        "bare_after_tokens_per_sec": round(bare_after_tps) if loop_tps else None,
+        "loop_overhead_bracketed": round(1 - 2 * loop_tps / (bare_tps + bare_after_tps), 4) if loop_tps else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else 0.0, "setup_and_compile_s": round(compile_s, 1),
         "matmul_peak_tflops": round(peak, 1), "flops_per_token": fpt,
     }

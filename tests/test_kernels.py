@@ -30,7 +30,7 @@ def reference_rope(qkv, cos, sin, H, Hkv):
 @pytest.mark.parametrize("device", DEVICES)
 def test_rope_op_matches_the_pytorch_rotation_and_its_gradient(device):
     torch.manual_seed(0)
-    H, Hkv, hd, B, T = 12, 4, 64, 2, 96
+    H, Hkv, hd, B, T = 12, 4, 64, 2, 93  # 186 tokens: the kernels' last tile of tokens is partly masked
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     cos, sin = (t.to(device) for t in rope_tables(hd, T, 10000.0))
     qkv = torch.randn(B, T, (H + 2 * Hkv) * hd, device=device, dtype=dtype, requires_grad=True)

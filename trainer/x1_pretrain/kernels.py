@@ -45,12 +45,78 @@ def triton_ok(t: torch.Tensor) -> bool:
 
 # ---- RoPE on the fused qkv projection --------------------------------------------------------
 
-ROPE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4}  # tokens per program, warps
+# One program: BLOCK_N tokens, every head. The cos and sin of its tokens are loaded once for all
+# 16 rotated heads (one per head cost twice the bf16 bytes moved, read as fp32 from L2), and each
+# head is read as its two halves, so no element is loaded twice. The tables repeat each angle at
+# i and i + hd/2 (rotate-half layout, `model.rope_tables`): the first half of each row is enough.
+ROPE_LAUNCH = {"BLOCK_N": 32, "num_warps": 4}  # tokens per program, warps
+ROPE_PER_HEAD = False  # the kernels before (one program per 64 tokens x one head): for the benchmark's A/B
 
 if triton is not None:
 
     @triton.jit
     def _rope_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, N, T,
+                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        half: tl.constexpr = HD // 2
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (n < N)[:, None]
+        n64 = n.to(tl.int64)[:, None]
+        d = tl.arange(0, half)[None, :]
+        t = (n % T)[:, None]
+        c = tl.load(cos_ptr + t * HD + d, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + t * HD + d, mask=mask, other=0.0)
+        row = qkv_ptr + n64 * ((H + 2 * HKV) * HD)
+        for j in tl.static_range(H + HKV):
+            x1 = tl.load(row + j * HD + d, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(row + j * HD + half + d, mask=mask, other=0.0).to(tl.float32)
+            if j < H:
+                dst = q_ptr + n64 * (H * HD) + j * HD
+            else:
+                dst = k_ptr + n64 * (HKV * HD) + (j - H) * HD
+            tl.store(dst + d, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty), mask=mask)  # rotate-half: (-x2, x1)
+            tl.store(dst + half + d, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=mask)
+        e = tl.arange(0, HKV * HD)[None, :]
+        v = tl.load(row + (H + HKV) * HD + e, mask=mask, other=0.0)
+        tl.store(v_ptr + n64 * (HKV * HD) + e, v, mask=mask)
+
+    @triton.jit
+    def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, N, T,
+                         qb, qt, qh, qd, kb, kt, kh, kd, vb, vt, vh, vd,
+                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Gradients arrive in whatever layout attention's backward wrote them (strides given);
+        # the output is the contiguous gradient of the qkv projection.
+        half: tl.constexpr = HD // 2
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (n < N)[:, None]
+        b = (n // T).to(tl.int64)[:, None]
+        t = (n % T)[:, None]
+        d = tl.arange(0, half)[None, :]
+        c = tl.load(cos_ptr + t * HD + d, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + t * HD + d, mask=mask, other=0.0)
+        out = out_ptr + n.to(tl.int64)[:, None] * ((H + 2 * HKV) * HD)
+        for j in tl.static_range(H + 2 * HKV):
+            if j < H:
+                src = dq_ptr + b * qb + t * qt + j * qh
+                g1 = tl.load(src + d * qd, mask=mask, other=0.0).to(tl.float32)
+                g2 = tl.load(src + (half + d) * qd, mask=mask, other=0.0).to(tl.float32)
+            elif j < H + HKV:
+                src = dk_ptr + b * kb + t * kt + (j - H) * kh
+                g1 = tl.load(src + d * kd, mask=mask, other=0.0).to(tl.float32)
+                g2 = tl.load(src + (half + d) * kd, mask=mask, other=0.0).to(tl.float32)
+            else:
+                src = dv_ptr + b * vb + t * vt + (j - H - HKV) * vh
+                g1 = tl.load(src + d * vd, mask=mask, other=0.0).to(tl.float32)
+                g2 = tl.load(src + (half + d) * vd, mask=mask, other=0.0).to(tl.float32)
+            if j < H + HKV:  # the transpose of the rotation: (g2, -g1)
+                o1, o2 = g1 * c + g2 * s, g2 * c - g1 * s
+            else:
+                o1, o2 = g1, g2
+            tl.store(out + j * HD + d, o1.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out + j * HD + half + d, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # The kernels before, one program per 64 tokens x one head (ROPE_PER_HEAD)
+    @triton.jit
+    def _rope_fwd_head_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, N, T,
                          H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
         # one program: BLOCK_N tokens x one head slot j (q heads, then k heads, then v heads)
         half: tl.constexpr = HD // 2
@@ -76,7 +142,7 @@ if triton is not None:
             tl.store(v_ptr + n64 * (HKV * HD) + (j - H - HKV) * HD + d[None, :], x.to(v_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, N, T,
+    def _rope_bwd_head_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, N, T,
                          qb, qt, qh, qd, kb, kt, kh, kd, vb, vt, vh, vd,
                          H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
         # Gradients arrive in whatever layout attention's backward wrote them (strides given);
@@ -131,7 +197,11 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: in
     q = qkv.new_empty(B, T, n_head, hd)
     k = qkv.new_empty(B, T, n_kv_head, hd)
     v = qkv.new_empty(B, T, n_kv_head, hd)
-    grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]), n_head + 2 * n_kv_head)
+    if ROPE_PER_HEAD:
+        grid = (triton.cdiv(B * T, 64), n_head + 2 * n_kv_head)
+        _rope_fwd_head_kernel[grid](qkv, cos, sin, q, k, v, B * T, T, H=n_head, HKV=n_kv_head, HD=hd, BLOCK_N=64, num_warps=4)
+        return q, k, v
+    grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]),)
     _rope_fwd_kernel[grid](qkv, cos, sin, q, k, v, B * T, T, H=n_head, HKV=n_kv_head, HD=hd, **ROPE_LAUNCH)
     return q, k, v
 
@@ -153,7 +223,12 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
         parts = [_rotate(dq, cos, sin, 1.0), _rotate(dk, cos, sin, 1.0), dv.float()]
         return torch.cat(parts, dim=2).to(dq.dtype).reshape(B, T, (H + 2 * Hkv) * hd)
     out = dq.new_empty(B, T, (H + 2 * Hkv) * hd)
-    grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]), H + 2 * Hkv)
+    if ROPE_PER_HEAD:
+        grid = (triton.cdiv(B * T, 64), H + 2 * Hkv)
+        _rope_bwd_head_kernel[grid](dq, dk, dv, cos, sin, out, B * T, T, *dq.stride(), *dk.stride(), *dv.stride(),
+                                    H=H, HKV=Hkv, HD=hd, BLOCK_N=64, num_warps=4)
+        return out
+    grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]),)
     _rope_bwd_kernel[grid](dq, dk, dv, cos, sin, out, B * T, T, *dq.stride(), *dk.stride(), *dv.stride(),
                            H=H, HKV=Hkv, HD=hd, **ROPE_LAUNCH)
     return out

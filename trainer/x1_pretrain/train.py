@@ -361,7 +361,8 @@ def forward_backward(run: Run, model: torch.nn.Module, x: torch.Tensor, y: torch
 
 
 def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> None:
-    loss_t = D.mean_over_ranks(run.dist, torch.tensor(loss, device=run.dist.device))
+    if run.dist.enabled:  # one process has its loss already: no round trip through the GPU
+        loss = float(D.mean_over_ranks(run.dist, torch.tensor(loss, device=run.dist.device)))
     interval = run.throughput.read()
     run.pace.record(interval, step)
     tps, tokens = interval.tokens_per_sec, interval.tokens
@@ -370,7 +371,7 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
     mfu = tps_per_gpu * run.flops_per_token / (run.peak_tflops * 1e12) if run.peak_tflops else 0.0
     param_norm = total_norm(run.raw_model.parameters())
     metrics = {
-        "loss": float(loss_t),
+        "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
         "param_norm": param_norm,
@@ -471,9 +472,10 @@ def log_first_step(run: Run, step: int) -> None:
 
 
 def total_norm(params) -> float:
-    norms = [torch.linalg.vector_norm(p.detach().float()) for p in params]
-    norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
-    return norm.item()
+    # foreach on a GPU: a few kernels for all parameters, not one each (the GPU idles while the
+    # log step waits for this number)
+    norm = torch.nn.utils.get_total_norm([p.detach() for p in params])
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
 
 
 def warn_if_slow(run: Run, step: int, interval: Interval) -> None:
