@@ -2,7 +2,7 @@
 logits, 6.6 GB), timed on a CUDA GPU: the forward (loss and logsumexp per row, one read), the
 backward (the gradient, one read and one write) and the kernel that does both (one read from HBM
 if the second read of each row hits L2, and one write) at several launch shapes, with the bytes
-each moves per second; the head's input-gradient matmul asked three ways; and the head's matmul +
+each moves per second; the head's three matmuls, its input gradient asked five ways; and the head's matmul +
 loss forward and backward as the trainer runs them, eager, both ways.
 
     python bench/head_ce.py [--json out.jsonl]
@@ -108,7 +108,10 @@ def main() -> int:
     w16 = (torch.randn(VP, D, device="cuda") * 0.05).bfloat16()
     per_wave = sms * 192 // (D // 192)  # rows of 192 x 192 tiles that fill one wave: 6336 on 132 SMs
     cut = N // per_wave * per_wave  # 63360: the rest, 2176 rows, another kernel (split-K, maybe)
+    wt = w16.t().contiguous()  # (d_model, Vp): w's rows are the reduced dimension, contiguous
     dgrads = [("as asked: grad @ w", lambda: grad @ w16),
+              ("w stored transposed (both operands K-major): grad @ wt.T", lambda: grad @ wt.t()),
+              ("w transposed there: grad @ w.T.contiguous().T", lambda: grad @ w16.t().contiguous().t()),
               ("swapped: (w.T @ grad.T).T", lambda: (w16.t() @ grad.t()).t()),
               (f"rows split at {cut}", lambda: torch.cat([grad[:cut] @ w16, grad[cut:] @ w16]))]
     try:
@@ -116,10 +119,12 @@ def main() -> int:
         dgrads.append(("fp32 output", lambda: torch.mm(grad, w16, out_dtype=torch.float32)))
     except (TypeError, RuntimeError) as e:
         print(f"mm with out_dtype: {e}")
-    for what, fn in dgrads:
+    x16 = (torch.randn(N, D, device="cuda") * 0.5).bfloat16()
+    others = [("head forward: x @ w.T", lambda: x16 @ w16.t()), ("head weight gradient: grad.T @ x", lambda: grad.t() @ x16)]
+    for what, fn in [(f"head input gradient, {what}", fn) for what, fn in dgrads] + others:
         ms = time_ms(fn)
-        rows.append({"what": f"head input gradient, {what}", "ms": round(ms, 3),
-                     "TFLOP_per_s": round(2 * N * VP * D / ms / 1e9, 1)})
+        rows.append({"what": what, "ms": round(ms, 3), "TFLOP_per_s": round(2 * N * VP * D / ms / 1e9, 1)})
+    x16 = wt = None
 
     h = (torch.randn(N, D, device="cuda") * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(VP, D, device="cuda") * 0.05).requires_grad_()  # fp32 master, as in training

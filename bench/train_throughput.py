@@ -80,6 +80,7 @@ VARIANTS: dict[str, dict] = {
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
     "rope-per-head": {"patch": {"x1_pretrain.kernels.ROPE_PER_HEAD": True}},  # the RoPE kernels before
+    "head-dgrad-wt": {"patch": {"x1_pretrain.losses.HEAD_DGRAD_W_TRANSPOSED": True}},
     "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},
