@@ -79,9 +79,8 @@ VARIANTS: dict[str, dict] = {
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
-    "rope-per-head": {"patch": {"x1_pretrain.kernels.ROPE_PER_HEAD": True}},  # the RoPE kernels before
-    "head-dgrad-wt": {"patch": {"x1_pretrain.losses.HEAD_DGRAD_W_TRANSPOSED": True}},
-    "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
+    "aggressive-fusion": {"sets": ["train.aggressive_fusion=on"]},
+    "no-aggressive-fusion": {"sets": ["train.aggressive_fusion=off"]},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},
     "float8-rowwise": {"sets": ["train.float8=rowwise"]},

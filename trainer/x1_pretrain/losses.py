@@ -232,9 +232,6 @@ def _(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Te
     return logits.new_empty(logits.size(0), dtype=torch.float32), torch.empty_like(logits)
 
 
-HEAD_DGRAD_W_TRANSPOSED = False  # the head's input gradient with w stored transposed (bench: head-dgrad-wt)
-
-
 class _HeadLoss(torch.autograd.Function):
     """Per-row cross-entropy of the head's logits h @ w.T whose forward also computes the logits'
     gradient, so that the backward is the head's two matmuls alone. The gradient of each row's
@@ -245,16 +242,14 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
         loss, grad = ce_fwd_grad(h @ w.t(), targets, vocab)
-        # For the input gradient grad @ w, w stored transposed hands cuBLAS both operands with the
-        # reduced (vocabulary) dimension contiguous: a copy of 77 MB, for the 5 TFLOP matmul.
-        ctx.save_for_backward(h, w.t().contiguous() if HEAD_DGRAD_W_TRANSPOSED else w, grad)
+        ctx.save_for_backward(h, w, grad)
         return loss
 
     @staticmethod
     def backward(ctx, dloss: torch.Tensor):
         h, w, grad = ctx.saved_tensors
         d = dloss[:, None]
-        dh = ((grad @ (w.t() if HEAD_DGRAD_W_TRANSPOSED else w)) * d).to(h.dtype)
+        dh = ((grad @ w) * d).to(h.dtype)
         dw = grad.t() @ (h * d).to(h.dtype)
         return dh, dw, None, None
 
