@@ -21,25 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from head_ce import time_ms  # bench/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 B, T, H, HKV, HD = 64, 1024, 12, 4, 64
 ROPE_SHAPES = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8)]  # tokens per program, warps
-
-
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def rope_rows(emit) -> None:

@@ -79,29 +79,28 @@ def test_a_cuda_graph_compile_mode_trains_the_same_weights_as_mode_default(tmp_p
     assert final_a.read_bytes() == final_b.read_bytes()
 
 
+def assert_close_weights(final_a, final_b, rel_tol: float = 5e-5) -> None:
+    from safetensors.torch import load_file
+
+    a, b = load_file(final_a), load_file(final_b)
+    for name, w in a.items():
+        rel = ((b[name] - w).abs().max() / w.abs().max()).item()
+        assert rel < rel_tol, f"{name}: relative difference {rel:.2e}"
+
+
 def test_compiled_autograd_trains_the_same_weights_as_the_eager_backward(tmp_path, tiny_data):
     # Compiled autograd moves the fp32 gradient accumulation into the compiled backward: the same
     # sums, though the compiler may fuse them in another order (last-bit differences).
-    from safetensors.torch import load_file
-
     (log_off, final_off), (log_on, final_on) = compiled_runs(tmp_path, tiny_data, "compiled_autograd", ("off", "on"))
     assert "compiled autograd" not in log_off and "compiled autograd" in log_on
-    off, on = load_file(final_off), load_file(final_on)
-    for name, w in off.items():
-        rel = ((on[name] - w).abs().max() / w.abs().max()).item()
-        assert rel < 5e-5, f"{name}: relative difference {rel:.2e}"
+    assert_close_weights(final_off, final_on)
 
 
 def test_aggressive_fusion_trains_the_same_weights_as_the_default_fusion(tmp_path, tiny_data):
     # Inductor fuses more kernels; the arithmetic is the same, its order within a fused kernel may not be.
-    from safetensors.torch import load_file
-
     (log_off, final_off), (log_on, final_on) = compiled_runs(tmp_path, tiny_data, "aggressive_fusion", ("off", "on"))
     assert "aggressive fusion: on" not in log_off and "aggressive fusion: on" in log_on
-    off, on = load_file(final_off), load_file(final_on)
-    for name, w in off.items():
-        rel = ((on[name] - w).abs().max() / w.abs().max()).item()
-        assert rel < 5e-5, f"{name}: relative difference {rel:.2e}"
+    assert_close_weights(final_off, final_on)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["skipped-on-the-cpu", "skipped-on-the-device"])
