@@ -79,8 +79,7 @@ VARIANTS: dict[str, dict] = {
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
-    "aggressive-fusion": {"sets": ["train.aggressive_fusion=on"]},
-    "no-aggressive-fusion": {"sets": ["train.aggressive_fusion=off"]},
+    "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},
     "float8-rowwise": {"sets": ["train.float8=rowwise"]},

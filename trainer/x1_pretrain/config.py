@@ -162,11 +162,6 @@ class TrainConfig(_Section):
         False, description="compile the whole backward, gradient accumulation included (one process; off under "
         "torchrun, where DDP and FSDP2 hook the accumulation)"
     )
-    aggressive_fusion: bool = Field(
-        False, description="inductor's aggressive_fusion: kernels fused even where they share no input, so the "
-        "norms, residual adds, casts and gradient accumulations around the matmuls move fewer bytes (+0.4% and "
-        "+0.8% on one H200, docs/PERFORMANCE.md; on in the 50M configs)"
-    )
     log_every: int = Field(10, ge=1, description="steps between metric logs (--log-every)")
     eval_every: int = Field(1800, ge=1, description="steps between val evals (--eval-every)")
     eval_windows: int = Field(128, ge=1, description="fixed val windows per eval (x seq_len tokens)")

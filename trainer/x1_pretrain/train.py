@@ -914,9 +914,6 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
     raw, d = run.raw_model, run.dist
     model = raw
     run.backward_context = compiled_autograd(run, mode)
-    torch._inductor.config.aggressive_fusion = run.cfg.train.aggressive_fusion  # read when a graph compiles
-    if mode is not None and run.cfg.train.aggressive_fusion:
-        log.info("inductor's aggressive fusion: on (train.aggressive_fusion)")
     while mode is not None or d.device.type == "cuda":  # CPU eager has nothing to find out
         run.sink.heartbeat.beat(run.state.step, "compiling" if mode else "startup")
         model = torch.compile(raw, mode=mode) if mode is not None else raw
