@@ -127,7 +127,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_head: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused projection (B, T, (H + 2 Hkv) hd) into rotated q (B, T, H, hd), rotated
-    k (B, T, Hkv, hd) and v (B, T, Hkv, hd); cos/sin: (T, hd) fp32, rotate-half layout."""
+    k (B, T, Hkv, hd) and v (B, T, Hkv, hd); cos/sin: (T, hd) fp32, rotate-half layout, each angle
+    at i and i + hd/2 (`model.rope_tables`; the kernels read the first half)."""
     B, T, C = qkv.shape
     hd = C // (n_head + 2 * n_kv_head)
     if not triton_ok(qkv):
