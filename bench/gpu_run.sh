@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the plain reference and our training step, side by side, on the same GPU.
 #   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] bash bench/gpu_run.sh
-# Writes reference.txt, ours.jsonl, variants.txt (each run's whole output) and table.md under $OUT (default ./bench-out).
+# Writes reference.txt, ours.jsonl, variants.txt (each run's whole output), smi.csv (clock and power
+# every second) and table.md under $OUT (default ./bench-out).
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -11,6 +12,11 @@ export PYTHONPATH="$PWD:$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERE
 VARIANTS=${VARIANTS:-"plain padded shipped"}
 LOOP_VARIANT=${LOOP_VARIANT:-shipped}   # the one also measured as the full loop
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+# The clock and power through the call, every second: under its power cap the GPU runs the step
+# below its maximum clock (docs/PERFORMANCE.md, call 28).
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
+    --format=csv,noheader -lms 1000 > "$OUT/smi.csv" 2>&1 &
+SMI=$!
 python3 "$REFERENCE" 2>&1 | tee "$OUT/reference.txt"
 PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt")
 for v in $VARIANTS; do
@@ -19,4 +25,5 @@ for v in $VARIANTS; do
       ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" $([[ " ${PROFILE_VARIANTS:-} " == *" $v "* ]] && echo --profile) \
       2>&1 | grep -v "^preflight" | tee -a "$OUT/variants.txt" | tail -45
 done
-python3 bench/report.py --reference "$OUT/reference.txt" --ours "$OUT/ours.jsonl" | tee "$OUT/table.md"
+kill $SMI 2>/dev/null
+python3 bench/report.py --reference "$OUT/reference.txt" --ours "$OUT/ours.jsonl" --smi "$OUT/smi.csv" | tee "$OUT/table.md"

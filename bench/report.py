@@ -1,10 +1,13 @@
 """One table from a device call: the plain reference's rows and ours, with the ratio and MFU.
 
-    python bench/report.py [--reference reference.txt] --ours ours.jsonl
+    python bench/report.py [--reference reference.txt] --ours ours.jsonl [--smi smi.csv]
 
 The ratio is ours over the reference's plain row (vocab 50257, micro-batch 32) measured in the
 same call; MFU is per GPU, against the matmul peak measured in that call and against the 989
-datasheet. Runs on several GPUs show their total tokens/s.
+datasheet. Runs on several GPUs show their total tokens/s. The loop's overhead is against the
+mean of the bare step timed before and after the loop, and against the one before it alone.
+With --smi (nvidia-smi's CSV: timestamp, clocks.sm, clocks.mem, power.draw, power.limit, ...),
+one line more: the SM clock and the power while the GPU worked hard (over 85% of its limit).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reference", help="the reference script's output (its rows and measured peak)")
     p.add_argument("--ours", required=True)
+    p.add_argument("--smi", help="nvidia-smi samples taken through the call (bench/gpu_run.sh writes smi.csv)")
     args = p.parse_args()
     peak, ref_rows = parse_reference(open(args.reference).read()) if args.reference else (None, [])
     ours = [json.loads(line) for line in open(args.ours) if line.strip()]
@@ -52,9 +56,33 @@ def main() -> int:
         tflops = tps / o.get("world_size", 1) * o["flops_per_token"] / 1e12  # per GPU
         loop = f"{o['loop_tokens_per_sec']/1e3:.0f}k" if o.get("loop_tokens_per_sec") else ""
         overhead = f"{o['loop_overhead']*100:.1f}%" if o.get("loop_overhead") is not None else ""
+        if o.get("loop_overhead_bracketed") is not None:
+            overhead = f"{o['loop_overhead_bracketed']*100:.1f}% ({overhead} vs before)"
         print(f"| ours {o['name']} | {tps/1e3:.0f}k | {ratio:.3f} | {tflops:.0f} | {tflops/peak:.3f} | {tflops/989:.3f} | "
               f"{loop} | {overhead} | {o['peak_mem_gib']} | {o['setup_and_compile_s']} |")
+    if args.smi:
+        print(smi_summary(open(args.smi).read()))
     return 0
+
+
+def smi_summary(text: str) -> str:
+    """The SM clock and power over the samples above 85% of the power limit: the training steps."""
+    busy = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        try:
+            clock, power, limit = (float(cells[i].split()[0]) for i in (1, 3, 4))
+        except (IndexError, ValueError):
+            continue  # a header, or a field this driver does not report
+        if power > 0.85 * limit:
+            busy.append((clock, power, limit, cells[-1]))
+    if not busy:
+        return "nvidia-smi: no sample above 85% of the power limit"
+    clocks = sorted(b[0] for b in busy)
+    capped = sum(b[3] not in ("0x0000000000000000", "[N/A]") for b in busy)
+    return (f"nvidia-smi, {len(busy)} samples over 85% of the {busy[0][2]:.0f} W limit: SM clock "
+            f"{sum(clocks) / len(clocks):.0f} MHz on average ({clocks[0]:.0f}-{clocks[-1]:.0f}), "
+            f"{sum(b[1] for b in busy) / len(busy):.0f} W on average, a clock event reason set in {capped}")
 
 
 if __name__ == "__main__":
