@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: the plain reference and our training step, side by side, on the same GPU.
-#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] bash bench/gpu_run.sh
+#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] [REFERENCE_AFTER=1] bash bench/gpu_run.sh
 # Writes reference.txt, ours.jsonl, variants.txt (each run's whole output), smi.csv (clock and power
-# every second) and table.md under $OUT (default ./bench-out).
+# every second) and table.md under $OUT (default ./bench-out). REFERENCE_AFTER=1 runs the reference
+# again after ours (reference-after.txt): the GPU slows as it warms through a call, and the
+# reference, timed first for about a second per row, meets it cooler than our runs do.
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -25,5 +27,10 @@ for v in $VARIANTS; do
       ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" $([[ " ${PROFILE_VARIANTS:-} " == *" $v "* ]] && echo --profile) \
       2>&1 | grep -v "^preflight" | tee -a "$OUT/variants.txt" | tail -45
 done
+AFTER=()
+if [ "${REFERENCE_AFTER:-0}" = 1 ]; then
+  python3 "$REFERENCE" 2>&1 | tee "$OUT/reference-after.txt"
+  AFTER=(--reference-after "$OUT/reference-after.txt")
+fi
 kill $SMI 2>/dev/null
-python3 bench/report.py --reference "$OUT/reference.txt" --ours "$OUT/ours.jsonl" --smi "$OUT/smi.csv" | tee "$OUT/table.md"
+python3 bench/report.py --reference "$OUT/reference.txt" "${AFTER[@]}" --ours "$OUT/ours.jsonl" --smi "$OUT/smi.csv" | tee "$OUT/table.md"

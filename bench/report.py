@@ -1,6 +1,6 @@
 """One table from a device call: the plain reference's rows and ours, with the ratio and MFU.
 
-    python bench/report.py [--reference reference.txt] --ours ours.jsonl [--smi smi.csv]
+    python bench/report.py [--reference reference.txt [--reference-after reference-after.txt]] --ours ours.jsonl [--smi smi.csv]
 
 The ratio is ours over the reference's plain row (vocab 50257, micro-batch 32) measured in the
 same call; MFU is per GPU, against the matmul peak measured in that call and against the 989
@@ -8,6 +8,8 @@ datasheet. Runs on several GPUs show their total tokens/s. The loop's overhead i
 mean of the bare step timed before and after the loop, and against the one before it alone.
 With --smi (nvidia-smi's CSV: timestamp, clocks.sm, clocks.mem, power.draw, power.limit, ...),
 one line more: the SM clock and the power while the GPU worked hard (over 85% of its limit).
+With --reference-after (the reference run again after ours), one table more: each of our rows
+against the reference before, after and the mean of the two, and MFU against the mean peak.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reference", help="the reference script's output (its rows and measured peak)")
     p.add_argument("--ours", required=True)
+    p.add_argument("--reference-after", help="the reference script's output, run again after ours in the same call")
     p.add_argument("--smi", help="nvidia-smi samples taken through the call (bench/gpu_run.sh writes smi.csv)")
     args = p.parse_args()
     peak, ref_rows = parse_reference(open(args.reference).read()) if args.reference else (None, [])
@@ -60,9 +63,31 @@ def main() -> int:
             overhead = f"{o['loop_overhead_bracketed']*100:.1f}% ({overhead} vs before)"
         print(f"| ours {o['name']} | {tps/1e3:.0f}k | {ratio:.3f} | {tflops:.0f} | {tflops/peak:.3f} | {tflops/989:.3f} | "
               f"{loop} | {overhead} | {o['peak_mem_gib']} | {o['setup_and_compile_s']} |")
+    if args.reference_after and base:
+        print(bracket_table(base, peak, *parse_reference(open(args.reference_after).read()), ours))
     if args.smi:
         print(smi_summary(open(args.smi).read()))
     return 0
+
+
+def bracket_table(before: dict, peak_before: float, peak_after: float | None, rows_after: list[dict], ours: list[dict]) -> str:
+    """Our rows against the reference's plain row timed before ours and again after them."""
+    after = next((r for r in rows_after if r["name"].endswith("V=50257")), None)
+    if after is None or peak_after is None:
+        return "reference after: no plain row or no peak in its output"
+    mean = (before["tokens_per_sec"] + after["tokens_per_sec"]) / 2
+    mean_peak = (peak_before + peak_after) / 2
+    lines = [f"\nreference {before['name']}: {before['tokens_per_sec']/1e3:.0f}k before ours, "
+             f"{after['tokens_per_sec']/1e3:.0f}k after, mean {mean/1e3:.0f}k; matmul peak {peak_before:.0f} before, "
+             f"{peak_after:.0f} after",
+             "| run | tokens/s | ratio vs before | ratio vs after | ratio vs mean | MFU (mean peak) |",
+             "|---|---|---|---|---|---|"]
+    for o in ours:
+        tps = o["bare_tokens_per_sec"]
+        tflops = tps / o.get("world_size", 1) * o["flops_per_token"] / 1e12
+        lines.append(f"| ours {o['name']} | {tps/1e3:.0f}k | {tps/before['tokens_per_sec']:.3f} | "
+                     f"{tps/after['tokens_per_sec']:.3f} | {tps/mean:.3f} | {tflops/mean_peak:.3f} |")
+    return "\n".join(lines)
 
 
 def smi_summary(text: str) -> str:

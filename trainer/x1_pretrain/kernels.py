@@ -9,8 +9,13 @@ SwiGLU (~2x). Both are pure data movement with a few flops, so a kernel over til
 
     q, k, v = rope_qkv(qkv, cos, sin, n_head, n_kv_head)   # qkv: (B, T, (H + 2 Hkv) hd)
     h = swiglu(gate_up)                                   # gate_up: (B, T, 2 d_ff)
+    y = swiglu_down(gate_up, w_down)                      # swiglu(gate_up) @ w_down.T
 
-Both are torch.library custom ops (opaque to torch.compile) with a plain PyTorch path that runs
+The last is SwiGLU and the down projection as one autograd Function whose backward computes the
+down projection's input gradient in a Triton matmul with SwiGLU's backward in its epilogue: the
+d_ff-wide gradient between them never goes to memory.
+
+The first two are torch.library custom ops (opaque to torch.compile) with a plain PyTorch path that runs
 wherever Triton does not (the CPU, tests). Math in fp32, stored in the input's dtype.
 """
 
@@ -269,3 +274,107 @@ def _swiglu_bwd(ctx, dh):
 
 
 swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+
+
+# ---- SwiGLU's backward in the epilogue of the down projection's input gradient --------------------
+
+# The down projection's input gradient dh = dy @ w_down (tokens x d_ff, from K = d_model) was
+# written by cuBLAS and read straight back by SwiGLU's backward: 2 x 268 MB per layer and
+# micro-batch of 64 x 1024 tokens, ~0.3 ms of a step that runs at the GPU's power cap
+# (docs/PERFORMANCE.md). Here each output tile of dh stays in registers: the epilogue loads the
+# tile's gate and up, and writes the gradients of both.
+DOWN_LAUNCH = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+if triton is not None:
+
+    @triton.jit
+    def _down_swiglu_bwd_kernel(dy_ptr, w_ptr, gu_ptr, dgu_ptr, M, K, F_, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+        # Programs walk the columns of one band of rows before the next: a band of dy (BLOCK_M x
+        # d_model) is read from HBM once and from L2 by the band's other programs; w_down is 3 MB.
+        n_tiles = tl.cdiv(F_, BLOCK_N)
+        pid_m = tl.program_id(0) // n_tiles
+        pid_n = tl.program_id(0) % n_tiles
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rm64 = rm.to(tl.int64)
+        a = dy_ptr + rm64[:, None] * K + rk[None, :]
+        b = w_ptr + rk[:, None] * F_ + rn[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN:
+                x = tl.load(a)
+                y = tl.load(b)
+            else:
+                x = tl.load(a, mask=(rm[:, None] < M) & (rk[None, :] + k < K), other=0.0)
+                y = tl.load(b, mask=(rk[:, None] + k < K) & (rn[None, :] < F_), other=0.0)
+            acc = tl.dot(x, y, acc)
+            a += BLOCK_K
+            b += BLOCK_K * F_
+        row = gu_ptr + rm64[:, None] * (2 * F_) + rn[None, :]
+        out = dgu_ptr + rm64[:, None] * (2 * F_) + rn[None, :]
+        if EVEN:
+            g = tl.load(row).to(tl.float32)
+            u = tl.load(row + F_).to(tl.float32)
+        else:
+            mask = (rm[:, None] < M) & (rn[None, :] < F_)
+            g = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(row + F_, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        dg = (acc * u * sig * (1.0 + g * (1.0 - sig))).to(dgu_ptr.dtype.element_ty)
+        du = (acc * g * sig).to(dgu_ptr.dtype.element_ty)
+        if EVEN:
+            tl.store(out, dg)
+            tl.store(out + F_, du)
+        else:
+            tl.store(out, dg, mask=mask)
+            tl.store(out + F_, du, mask=mask)
+
+
+@torch.library.custom_op("x1::down_swiglu_backward", mutates_args=())
+def down_swiglu_backward(dy: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """Gradient of gate_up (N, 2 d_ff) through swiglu(gate_up) @ w.T, given dy (N, d_model) and
+    w (d_model, d_ff)."""
+    if not triton_ok(dy):
+        return swiglu_backward(gate_up, (dy.float() @ w.float()).to(gate_up.dtype))
+    # dy may come in fp32 (an fp32 residual stream): the matmul runs in w's dtype, as autocast's would
+    dy, w, gate_up = dy.to(w.dtype).contiguous(), w.contiguous(), gate_up.contiguous()
+    (m, k), f = dy.shape, w.size(1)
+    launch = dict(DOWN_LAUNCH)
+    bm, bn, bk = launch.pop("BLOCK_M"), launch.pop("BLOCK_N"), launch.pop("BLOCK_K")
+    dgu = torch.empty_like(gate_up)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(f, bn),)
+    _down_swiglu_bwd_kernel[grid](dy, w, gate_up, dgu, m, k, f, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  EVEN=(m % bm == 0 and f % bn == 0 and k % bk == 0), **launch)
+    return dgu
+
+
+@down_swiglu_backward.register_fake
+def _(dy, w, gate_up):
+    return torch.empty_like(gate_up)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """swiglu(gate_up) @ w.T whose backward is one matmul for w's gradient and one for gate_up's,
+    the second with SwiGLU's backward in its epilogue."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = swiglu(gate_up)
+        ctx.save_for_backward(gate_up, h, w)
+        return h @ w.t()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        gate_up, h, w = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.size(-1))
+        dgu = down_swiglu_backward(dy2, w, gate_up.reshape(-1, gate_up.size(-1)))
+        dw = dy2.t() @ h.reshape(-1, h.size(-1))
+        return dgu.view(gate_up.shape), dw
+
+
+def swiglu_down(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up @ w.T for gate_up = [gate | up] (..., 2 d_ff) and w (d_model, d_ff), in the
+    dtype of its inputs: under autocast the caller casts them as the down projection would."""
+    return _SwiGLUDown.apply(gate_up, w)
