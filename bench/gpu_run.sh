@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the plain reference and our training step, side by side, on the same GPU.
-#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] [REFERENCE_AFTER=1] bash bench/gpu_run.sh
+#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] [REFERENCE_AFTER=1] [PATCH=MODULE.ATTR=JSON] bash bench/gpu_run.sh
 # Writes reference.txt, ours.jsonl, variants.txt (each run's whole output), smi.csv (clock and power
 # every second) and table.md under $OUT (default ./bench-out). REFERENCE_AFTER=1 runs the reference
 # again after ours (reference-after.txt): the GPU slows as it warms through a call, and the
@@ -24,7 +24,7 @@ PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt
 for v in $VARIANTS; do
   loop=0; [ "$v" = "$LOOP_VARIANT" ] && loop=${LOOP_STEPS:-30}
   timeout "${VARIANT_TIMEOUT:-300}" python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps "${STEPS:-8}" --loop-steps "$loop" \
-      ${PEAK:+--peak-tflops $PEAK} --json "$OUT/ours.jsonl" $([[ " ${PROFILE_VARIANTS:-} " == *" $v "* ]] && echo --profile) \
+      ${PEAK:+--peak-tflops $PEAK} ${PATCH:+--patch "$PATCH"} --json "$OUT/ours.jsonl" $([[ " ${PROFILE_VARIANTS:-} " == *" $v "* ]] && echo --profile) \
       2>&1 | grep -v "^preflight" | tee -a "$OUT/variants.txt" | tail -45
 done
 AFTER=()

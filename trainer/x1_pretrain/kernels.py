@@ -283,13 +283,22 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 # micro-batch of 64 x 1024 tokens, ~0.3 ms of a step that runs at the GPU's power cap
 # (docs/PERFORMANCE.md). Here each output tile of dh stays in registers: the epilogue loads the
 # tile's gate and up, and writes the gradients of both.
-DOWN_LAUNCH = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+DOWN_LAUNCH = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PREFETCH": True, "num_warps": 8, "num_stages": 4}
 
 if triton is not None:
 
     @triton.jit
+    def _load_gate_up(row, F_, mask, EVEN: tl.constexpr):
+        if EVEN:
+            return tl.load(row), tl.load(row + F_)
+        return tl.load(row, mask=mask, other=0.0), tl.load(row + F_, mask=mask, other=0.0)
+
+    @triton.jit
     def _down_swiglu_bwd_kernel(dy_ptr, w_ptr, gu_ptr, dgu_ptr, M, K, F_, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                                PREFETCH: tl.constexpr):
+        # PREFETCH: the tile's gate and up are loaded before the matmul's loop, so that their trip
+        # to HBM overlaps it, at the price of the registers that hold them through it.
         # Programs walk the columns of one band of rows before the next: a band of dy (BLOCK_M x
         # d_model) is read from HBM once and from L2 by the band's other programs; w_down is 3 MB.
         n_tiles = tl.cdiv(F_, BLOCK_N)
@@ -299,6 +308,10 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         rm64 = rm.to(tl.int64)
+        row = gu_ptr + rm64[:, None] * (2 * F_) + rn[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < F_)
+        if PREFETCH:
+            g, u = _load_gate_up(row, F_, mask, EVEN)
         a = dy_ptr + rm64[:, None] * K + rk[None, :]
         b = w_ptr + rk[:, None] * F_ + rn[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -312,15 +325,11 @@ if triton is not None:
             acc = tl.dot(x, y, acc)
             a += BLOCK_K
             b += BLOCK_K * F_
-        row = gu_ptr + rm64[:, None] * (2 * F_) + rn[None, :]
         out = dgu_ptr + rm64[:, None] * (2 * F_) + rn[None, :]
-        if EVEN:
-            g = tl.load(row).to(tl.float32)
-            u = tl.load(row + F_).to(tl.float32)
-        else:
-            mask = (rm[:, None] < M) & (rn[None, :] < F_)
-            g = tl.load(row, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(row + F_, mask=mask, other=0.0).to(tl.float32)
+        if not PREFETCH:
+            g, u = _load_gate_up(row, F_, mask, EVEN)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
         sig = tl.sigmoid(g)
         dg = (acc * u * sig * (1.0 + g * (1.0 - sig))).to(dgu_ptr.dtype.element_ty)
         du = (acc * g * sig).to(dgu_ptr.dtype.element_ty)
