@@ -20,11 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 N, D, F = 64 * 1024, 768, 2048
-# BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; each with and without the epilogue's loads prefetched.
-# Call 31: 128 x 128 x 64, 8 warps, 4 stages, not prefetched, 0.83 ms; the 4-warp 128 x 128 tiles
-# and every 256-wide one 3-3.5 ms (registers spilled).
-SHAPES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 2), (128, 64, 64, 4, 4), (128, 64, 64, 4, 3),
-          (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 32, 8, 4), (64, 128, 128, 4, 2)]
+# BLOCK_M, BLOCK_N, BLOCK_K, SUBTILE, programs per SM, warps, stages. Call 31-32's kernel (one
+# program per tile, pointer loads) took 0.75-0.85 ms at every shape against 0.61 for the two kernels.
+SHAPES = [(128, 128, 64, True, 1, 8, 3), (128, 128, 64, True, 1, 8, 4), (128, 128, 64, False, 1, 8, 3),
+          (128, 256, 64, True, 1, 8, 3), (128, 256, 64, True, 1, 8, 4), (256, 128, 64, True, 1, 8, 3),
+          (128, 128, 64, True, 2, 8, 2), (128, 128, 64, True, 2, 4, 3), (64, 128, 64, True, 2, 4, 4),
+          (128, 256, 64, True, 1, 4, 3), (128, 128, 128, True, 1, 8, 2)]
 
 
 def time_ms(fn, reps: int = 50) -> float:
@@ -71,11 +72,11 @@ def main() -> int:
     print(f"{'cuBLAS dgrad alone':<34} {t_mm:7.3f} {flops / t_mm / 1e9:8.0f}")
     print(f"{'cuBLAS + swiglu_backward':<34} {t_two:7.3f} {flops / t_two / 1e9:8.0f}")
     best = None
-    for (bm, bn, bk, warps, stages), prefetch in ((shape, p) for shape in SHAPES for p in (True, False)):
-        launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": prefetch, "num_warps": warps,
-                  "num_stages": stages}
+    for bm, bn, bk, subtile, per_sm, warps, stages in SHAPES:
+        launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SUBTILE": subtile, "PER_SM": per_sm,
+                  "num_warps": warps, "num_stages": stages}
         kernels.DOWN_LAUNCH = launch
-        name = f"fused {bm}x{bn}x{bk} w{warps} s{stages}{' prefetch' if prefetch else ''}"
+        name = f"fused {bm}x{bn}x{bk}{' sub' if subtile else ''} x{per_sm}/SM w{warps} s{stages}"
         try:
             got = kernels.down_swiglu_backward(dy, w, gu)
             t = time_ms(lambda: kernels.down_swiglu_backward(dy, w, gu))

@@ -65,10 +65,12 @@ def test_swiglu_op_matches_silu_times_up_and_its_gradient(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("tokens", "d_model", "d_ff"), [(150, 40, 172), (128, 64, 128)], ids=["ragged-tiles", "whole-tiles"])
+@pytest.mark.parametrize(("tokens", "d_model", "d_ff"), [(150, 40, 168), (256, 128, 256), (150, 40, 170)],
+                         ids=["ragged-tiles", "whole-tiles", "unaligned-rows"])
 def test_swiglu_down_matches_silu_times_up_through_the_down_projection_and_its_gradients(device, tokens, d_model, d_ff):
-    # Ragged: no dimension a multiple of the kernel's tiles (every load and store masked); whole:
-    # one tile of DOWN_LAUNCH's shape, the unmasked path the 50M model takes.
+    # Ragged: no dimension a multiple of the kernel's tiles (TMA fills and clips the edges); whole:
+    # tiles of DOWN_LAUNCH's shape, as the 50M model's; unaligned: rows TMA cannot address (d_ff
+    # not a multiple of 8), the PyTorch path.
     torch.manual_seed(3)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     gu = (torch.randn(1, tokens, 2 * d_ff, device=device, dtype=dtype) * 3).requires_grad_()
@@ -82,7 +84,9 @@ def test_swiglu_down_matches_silu_times_up_through_the_down_projection_and_its_g
     y.backward(dy.to(dtype))
     ref.backward(dy)
     torch.testing.assert_close(gu.grad.float(), ref_gu.grad, **tol(device))
-    torch.testing.assert_close(w.grad.float(), ref_w.grad, **(tol(device) if device == "cpu" else {"rtol": 3e-2, "atol": 0.2}))
+    # w's gradient sums over the tokens, in another order than the reference's matmul
+    w_tol = {"rtol": 1e-4, "atol": 1e-4} if device == "cpu" else {"rtol": 3e-2, "atol": 0.2}
+    torch.testing.assert_close(w.grad.float(), ref_w.grad, **w_tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -35,17 +35,14 @@ def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
     return {n: types.get(n, "i32") for n in names.split()}
 
 
-def _launch(shape: dict, **constants) -> tuple[dict, dict]:
-    """A kernel's constexprs and compile options as an op launches it: its launch shape plus the
-    model's sizes."""
+def _launch(shape: dict, **constants) -> tuple[dict, int]:
+    """A kernel's constexprs and warps as an op launches it: its launch shape plus the model's sizes."""
     shape = dict(shape)
-    options = {"num_warps": shape.pop("num_warps")}
-    if "num_stages" in shape:
-        options["num_stages"] = shape.pop("num_stages")
-    return {**constants, **shape}, options
+    warps = shape.pop("num_warps")
+    return {**constants, **shape}, warps
 
 
-# (kernel, signature by parameter, (constexprs, compile options)): the launches of kernels.py and
+# (kernel, signature by parameter, (constexprs, num_warps)): the launches of kernels.py and
 # losses.py, with their own launch shapes, for the 50M model (12 heads, 4 KV heads, head dim 64,
 # d_ff 2048).
 ROPE = _launch(kernels.ROPE_LAUNCH, H=12, HKV=4, HD=64)
@@ -69,19 +66,32 @@ LAUNCHES = [
                                       {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32",
                                        "lse_ptr": "*fp32"}),
      _launch({k: v for k, v in losses.GRAD_LAUNCH.items() if k != "PER_SM"})),
-    (kernels._down_swiglu_bwd_kernel, _sig("dy_ptr w_ptr gu_ptr dgu_ptr M K F_", {"dy_ptr": P, "w_ptr": P, "gu_ptr": P, "dgu_ptr": P}),
-     _launch(kernels.DOWN_LAUNCH, EVEN=True)),
 ]
 
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
 @pytest.mark.parametrize("arch", [80, 90], ids=["ampere", "hopper"])
 def test_every_kernel_compiles_for_ampere_and_hopper(arch):
-    for kernel, signature, (constants, options) in LAUNCHES:
+    for kernel, signature, (constants, warps) in LAUNCHES:
         signature = dict(signature, **{name: "constexpr" for name in constants})
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", arch, 32), options=options)
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin for sm_{arch}"
+
+
+@pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
+def test_the_down_projection_kernel_compiles_for_hopper_to_tma_copies_and_wgmma():
+    # Hopper only: on an A100 the op takes cuBLAS and the SwiGLU kernel (kernels._tma_ok).
+    shape = dict(kernels.DOWN_LAUNCH)
+    options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages")}
+    shape.pop("PER_SM")
+    signature = dict(_sig("dy_ptr w_ptr gu_ptr dgu_ptr M K F_", {n: P for n in ("dy_ptr", "w_ptr", "gu_ptr", "dgu_ptr")}),
+                     **{name: "constexpr" for name in shape})
+    compiled = triton.compile(ASTSource(fn=kernels._down_swiglu_bwd_kernel, signature=signature, constexprs=shape),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma" in ptx
+    assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100/H200 SM has"
 
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
@@ -93,13 +103,13 @@ def test_the_cross_entropy_kernels_read_the_logits_16_bytes_at_a_time(kernel, na
     # 50304 multiples of 16, the vocabulary 50257 not. A load masked at 50257 compiles to 2-byte
     # loads (the forward kernel of 0b1d327 did: 1.07 ms against 0.73 with 16-byte ones, call 14).
     # The forward's one 2-byte load left is the target's logit.
-    _, signature, (constants, options) = next(launch for launch in LAUNCHES if launch[0] is kernel)
+    _, signature, (constants, warps) = next(launch for launch in LAUNCHES if launch[0] is kernel)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
                if signature[name].startswith("*") or name in ("stride", "Vp")}
     compiled = triton.compile(
         ASTSource(fn=kernel, signature=dict(signature, **{n: "constexpr" for n in constants}), constexprs=constants,
                   attrs=aligned),
-        target=GPUTarget("cuda", 90, 32), options=options)
+        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = compiled.asm["ptx"]
     loads = re.findall(r"ld\.global(?:\.L[12]::[a-z_]+)*\.(v4\.b32|b16)\b", ptx)  # with or without cache hints
     assert "v4.b32" in loads

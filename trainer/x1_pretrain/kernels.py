@@ -282,80 +282,89 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 # written by cuBLAS and read straight back by SwiGLU's backward: 2 x 268 MB per layer and
 # micro-batch of 64 x 1024 tokens, ~0.3 ms of a step that runs at the GPU's power cap
 # (docs/PERFORMANCE.md). Here each output tile of dh stays in registers: the epilogue loads the
-# tile's gate and up, and writes the gradients of both.
-DOWN_LAUNCH = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PREFETCH": True, "num_warps": 8, "num_stages": 4}
+# tile's gate and up, and writes the gradients of both. One program per SM (PER_SM) walks its
+# tiles, so that the loads of a tile's matmul overlap the previous tile's epilogue; every load and
+# store is a TMA block copy through a tensor descriptor. SUBTILE: the epilogue in two halves of
+# BLOCK_N / 2 columns, fewer registers live at once.
+DOWN_LAUNCH = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SUBTILE": True, "PER_SM": 1, "num_warps": 8,
+               "num_stages": 3}
 
 if triton is not None:
 
     @triton.jit
-    def _load_gate_up(row, F_, mask, EVEN: tl.constexpr):
-        if EVEN:
-            return tl.load(row), tl.load(row + F_)
-        return tl.load(row, mask=mask, other=0.0), tl.load(row + F_, mask=mask, other=0.0)
+    def _swiglu_bwd_tile(dh, g_desc, u_desc, dg_desc, du_desc, om, on, out_ty: tl.constexpr):
+        g = g_desc.load([om, on]).to(tl.float32)
+        u = u_desc.load([om, on]).to(tl.float32)
+        sig = tl.sigmoid(g)
+        dg_desc.store([om, on], (dh * u * sig * (1.0 + g * (1.0 - sig))).to(out_ty))
+        du_desc.store([om, on], (dh * g * sig).to(out_ty))
 
     @triton.jit
     def _down_swiglu_bwd_kernel(dy_ptr, w_ptr, gu_ptr, dgu_ptr, M, K, F_, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                                PREFETCH: tl.constexpr):
-        # PREFETCH: the tile's gate and up are loaded before the matmul's loop, so that their trip
-        # to HBM overlaps it, at the price of the registers that hold them through it.
-        # Programs walk the columns of one band of rows before the next: a band of dy (BLOCK_M x
-        # d_model) is read from HBM once and from L2 by the band's other programs; w_down is 3 MB.
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUBTILE: tl.constexpr):
+        EPI_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+        out_ty: tl.constexpr = dgu_ptr.dtype.element_ty
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, F_], strides=[F_, 1], block_shape=[BLOCK_K, BLOCK_N])
+        # gate and up as two (M, d_ff) views of gate_up's rows: a tile past d_ff reads zeros and
+        # writes nothing, instead of reaching into the other half.
+        g_desc = tl.make_tensor_descriptor(gu_ptr, shape=[M, F_], strides=[2 * F_, 1], block_shape=[BLOCK_M, EPI_N])
+        u_desc = tl.make_tensor_descriptor(gu_ptr + F_, shape=[M, F_], strides=[2 * F_, 1], block_shape=[BLOCK_M, EPI_N])
+        dg_desc = tl.make_tensor_descriptor(dgu_ptr, shape=[M, F_], strides=[2 * F_, 1], block_shape=[BLOCK_M, EPI_N])
+        du_desc = tl.make_tensor_descriptor(dgu_ptr + F_, shape=[M, F_], strides=[2 * F_, 1],
+                                            block_shape=[BLOCK_M, EPI_N])
+        # Tiles in row-band order: a band of dy is read from HBM once, its other tiles find it in L2.
         n_tiles = tl.cdiv(F_, BLOCK_N)
-        pid_m = tl.program_id(0) // n_tiles
-        pid_n = tl.program_id(0) % n_tiles
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        rm64 = rm.to(tl.int64)
-        row = gu_ptr + rm64[:, None] * (2 * F_) + rn[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < F_)
-        if PREFETCH:
-            g, u = _load_gate_up(row, F_, mask, EVEN)
-        a = dy_ptr + rm64[:, None] * K + rk[None, :]
-        b = w_ptr + rk[:, None] * F_ + rn[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            if EVEN:
-                x = tl.load(a)
-                y = tl.load(b)
+        tiles = tl.cdiv(M, BLOCK_M) * n_tiles
+        k_steps = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+            om = (tile // n_tiles) * BLOCK_M
+            on = (tile % n_tiles) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_steps):
+                acc = tl.dot(dy_desc.load([om, ki * BLOCK_K]), w_desc.load([ki * BLOCK_K, on]), acc)
+            if SUBTILE:
+                left, right = tl.split(acc.reshape(BLOCK_M, 2, EPI_N).permute(0, 2, 1))
+                _swiglu_bwd_tile(left, g_desc, u_desc, dg_desc, du_desc, om, on, out_ty)
+                _swiglu_bwd_tile(right, g_desc, u_desc, dg_desc, du_desc, om, on + EPI_N, out_ty)
             else:
-                x = tl.load(a, mask=(rm[:, None] < M) & (rk[None, :] + k < K), other=0.0)
-                y = tl.load(b, mask=(rk[:, None] + k < K) & (rn[None, :] < F_), other=0.0)
-            acc = tl.dot(x, y, acc)
-            a += BLOCK_K
-            b += BLOCK_K * F_
-        out = dgu_ptr + rm64[:, None] * (2 * F_) + rn[None, :]
-        if not PREFETCH:
-            g, u = _load_gate_up(row, F_, mask, EVEN)
-        g = g.to(tl.float32)
-        u = u.to(tl.float32)
-        sig = tl.sigmoid(g)
-        dg = (acc * u * sig * (1.0 + g * (1.0 - sig))).to(dgu_ptr.dtype.element_ty)
-        du = (acc * g * sig).to(dgu_ptr.dtype.element_ty)
-        if EVEN:
-            tl.store(out, dg)
-            tl.store(out + F_, du)
-        else:
-            tl.store(out, dg, mask=mask)
-            tl.store(out + F_, du, mask=mask)
+                _swiglu_bwd_tile(acc, g_desc, u_desc, dg_desc, du_desc, om, on, out_ty)
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory Triton asks for to build tensor descriptors on the device."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _tma_ok(dy: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """A GPU with TMA (Hopper on), and TMA's rules: 16-byte aligned bases and row strides (d_model
+    and d_ff multiples of 8 in bf16)."""
+    if dy.is_cuda and torch.cuda.get_device_capability(dy.device)[0] < 9:
+        return False  # an A100: cuBLAS and the SwiGLU kernel, as before the fused kernel
+    step = 16 // w.element_size()
+    return dy.size(1) % step == 0 and w.size(1) % step == 0 and all(
+        t.data_ptr() % 16 == 0 for t in (dy, w, gate_up))
 
 
 @torch.library.custom_op("x1::down_swiglu_backward", mutates_args=())
 def down_swiglu_backward(dy: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """Gradient of gate_up (N, 2 d_ff) through swiglu(gate_up) @ w.T, given dy (N, d_model) and
     w (d_model, d_ff)."""
-    if not triton_ok(dy):
-        return swiglu_backward(gate_up, (dy.float() @ w.float()).to(gate_up.dtype))
     # dy may come in fp32 (an fp32 residual stream): the matmul runs in w's dtype, as autocast's would
     dy, w, gate_up = dy.to(w.dtype).contiguous(), w.contiguous(), gate_up.contiguous()
+    if not triton_ok(dy) or not _tma_ok(dy, w, gate_up):
+        return swiglu_backward(gate_up, dy @ w)
     (m, k), f = dy.shape, w.size(1)
     launch = dict(DOWN_LAUNCH)
-    bm, bn, bk = launch.pop("BLOCK_M"), launch.pop("BLOCK_N"), launch.pop("BLOCK_K")
+    bm, bn, per_sm = launch.pop("BLOCK_M"), launch.pop("BLOCK_N"), launch.pop("PER_SM")
     dgu = torch.empty_like(gate_up)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(f, bn),)
-    _down_swiglu_bwd_kernel[grid](dy, w, gate_up, dgu, m, k, f, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                  EVEN=(m % bm == 0 and f % bn == 0 and k % bk == 0), **launch)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(f, bn)
+    if dy.is_cuda:
+        triton.set_allocator(_tma_scratch)
+        programs = torch.cuda.get_device_properties(dy.device).multi_processor_count * per_sm
+    else:
+        programs = 3  # the interpreter: a few programs, each walking several tiles
+    _down_swiglu_bwd_kernel[(min(tiles, programs),)](dy, w, gate_up, dgu, m, k, f, BLOCK_M=bm, BLOCK_N=bn, **launch)
     return dgu
 
 
