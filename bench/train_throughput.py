@@ -79,8 +79,6 @@ VARIANTS: dict[str, dict] = {
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
-    # SwiGLU and the down projection as two ops, the down projection's input gradient written and read back
-    "no-swiglu-down": {"patch": {"x1_pretrain.model.FUSED_SWIGLU_DOWN": False}},
     "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},

@@ -29,9 +29,6 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 # to measure what it brings (docs/PERFORMANCE.md).
 FUSED_ROPE = True
 FUSED_SWIGLU = True
-# SwiGLU and the down projection as one autograd Function: the backward's matmul for SwiGLU's input
-# gradient applies SwiGLU's backward in its epilogue (kernels.swiglu_down).
-FUSED_SWIGLU_DOWN = True
 # With the loss kernel on, in training: the head and the loss as one autograd Function whose
 # forward also writes the logits' gradient (losses.head_cross_entropy).
 FUSED_HEAD_GRAD = True
@@ -156,13 +153,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)
-        if self.fused and FUSED_SWIGLU and FUSED_SWIGLU_DOWN:
-            from x1_pretrain.kernels import swiglu_down
-
-            w = self.w_down.weight
-            if torch.is_autocast_enabled(x.device.type):  # the cast autocast gives the down projection
-                w = w.to(torch.get_autocast_dtype(x.device.type))
-            return swiglu_down(gate_up, w)
         if self.fused and FUSED_SWIGLU:
             from x1_pretrain.kernels import swiglu
 
