@@ -3,8 +3,8 @@
 #   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] [REFERENCE_AFTER=1] [PATCH=MODULE.ATTR=JSON] bash bench/gpu_run.sh
 # Writes reference.txt, ours.jsonl, variants.txt (each run's whole output), smi.csv (clock and power
 # every second) and table.md under $OUT (default ./bench-out). REFERENCE_AFTER=1 runs the reference
-# again after ours (reference-after.txt): the GPU slows as it warms through a call, and the
-# reference, timed first for about a second per row, meets it cooler than our runs do.
+# again after ours (reference-after.txt), to check that the reference, timed first, does not meet a
+# cooler GPU than our runs (docs/PERFORMANCE.md, calls 31-32: it did not).
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"

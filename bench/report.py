@@ -44,7 +44,7 @@ def main() -> int:
     args = p.parse_args()
     peak, ref_rows = parse_reference(open(args.reference).read()) if args.reference else (None, [])
     ours = [json.loads(line) for line in open(args.ours) if line.strip()]
-    base = next((r for r in ref_rows if r["name"].endswith("V=50257")), None)
+    base = plain_row(ref_rows)
     peak = peak or (ours[0]["matmul_peak_tflops"] if ours else None)
     print(f"measured bf16 matmul peak: {peak} TFLOP/s (989 datasheet)")
     print("| run | tokens/s | ratio vs reference | TFLOP/s per GPU | MFU (measured peak) | MFU (989) | loop tokens/s | loop overhead | peak GiB | compile s |")
@@ -56,7 +56,7 @@ def main() -> int:
     for o in ours:
         tps = o["bare_tokens_per_sec"]
         ratio = tps / base["tokens_per_sec"] if base else float("nan")
-        tflops = tps / o.get("world_size", 1) * o["flops_per_token"] / 1e12  # per GPU
+        tflops = tflops_per_gpu(o)
         loop = f"{o['loop_tokens_per_sec']/1e3:.0f}k" if o.get("loop_tokens_per_sec") else ""
         overhead = f"{o['loop_overhead']*100:.1f}%" if o.get("loop_overhead") is not None else ""
         if o.get("loop_overhead_bracketed") is not None:
@@ -70,9 +70,18 @@ def main() -> int:
     return 0
 
 
+def plain_row(rows: list[dict]) -> dict | None:
+    """The reference's plain row (vocab 50257), the one every ratio is taken against."""
+    return next((r for r in rows if r["name"].endswith("V=50257")), None)
+
+
+def tflops_per_gpu(o: dict) -> float:
+    return o["bare_tokens_per_sec"] / o.get("world_size", 1) * o["flops_per_token"] / 1e12
+
+
 def bracket_table(before: dict, peak_before: float, peak_after: float | None, rows_after: list[dict], ours: list[dict]) -> str:
     """Our rows against the reference's plain row timed before ours and again after them."""
-    after = next((r for r in rows_after if r["name"].endswith("V=50257")), None)
+    after = plain_row(rows_after)
     if after is None or peak_after is None:
         return "reference after: no plain row or no peak in its output"
     mean = (before["tokens_per_sec"] + after["tokens_per_sec"]) / 2
@@ -83,8 +92,7 @@ def bracket_table(before: dict, peak_before: float, peak_after: float | None, ro
              "| run | tokens/s | ratio vs before | ratio vs after | ratio vs mean | MFU (mean peak) |",
              "|---|---|---|---|---|---|"]
     for o in ours:
-        tps = o["bare_tokens_per_sec"]
-        tflops = tps / o.get("world_size", 1) * o["flops_per_token"] / 1e12
+        tps, tflops = o["bare_tokens_per_sec"], tflops_per_gpu(o)
         lines.append(f"| ours {o['name']} | {tps/1e3:.0f}k | {tps/before['tokens_per_sec']:.3f} | "
                      f"{tps/after['tokens_per_sec']:.3f} | {tps/mean:.3f} | {tflops/mean_peak:.3f} |")
     return "\n".join(lines)
