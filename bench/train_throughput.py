@@ -72,6 +72,7 @@ VARIANTS: dict[str, dict] = {
     "no-prefetch": {"sets": ["data.prefetch=0"]},
     "adamw-foreach": {"sets": ["optim.fused=off"]},
     "micro-64": {"sets": ["train.micro_batch_size=64"]},
+    "micro-128": {"sets": ["train.micro_batch_size=128"]},  # 128 x 4: the same 524,288-token step
     "residual-bf16": {"sets": ["train.residual=bf16"]},
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
