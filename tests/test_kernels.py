@@ -1,8 +1,10 @@
-"""Our RoPE and SwiGLU ops: the same function and gradient as the model's PyTorch path.
+"""Our RoPE and SwiGLU ops, and the norms folded into the matmuls around them: the same function
+and gradient as the model's PyTorch path.
 
 On the CPU the ops run their PyTorch implementation; on a CUDA GPU the same tests check the
 Triton kernels (bf16 tolerance), also with gradients in the transposed layout attention's
-backward produces."""
+backward produces. Under TRITON_INTERPRET=1 (tests/test_triton_kernels.py) the CPU runs the
+Triton kernels."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from x1_pretrain.kernels import rope_qkv, swiglu
-from x1_pretrain.model import apply_rope, rope_tables
+from x1_pretrain.kernels import normed_linear, residual_linear, rope_qkv, swiglu
+from x1_pretrain.model import RMSNorm, apply_rope, rope_tables
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -27,16 +29,23 @@ def reference_rope(qkv, cos, sin, H, Hkv):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def row_scale(B, T, device):
+    """A per-token scale as a folded norm passes it: (B, T, 1) fp32, here spread over 0.25-4."""
+    return torch.exp(torch.randn(B, T, 1, device=device)).clamp(0.25, 4.0)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row-scaled"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_rope_op_matches_the_pytorch_rotation_and_its_gradient(device):
+def test_rope_op_matches_the_pytorch_rotation_and_its_gradient(device, scaled):
     torch.manual_seed(0)
     H, Hkv, hd, B, T = 12, 4, 64, 2, 93  # 186 tokens: the kernels' last tile of tokens is partly masked
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     cos, sin = (t.to(device) for t in rope_tables(hd, T, 10000.0))
     qkv = torch.randn(B, T, (H + 2 * Hkv) * hd, device=device, dtype=dtype, requires_grad=True)
     ref_in = qkv.detach().float().requires_grad_()
-    q, k, v = rope_qkv(qkv, cos, sin, H, Hkv)
-    rq, rk, rv = reference_rope(ref_in, cos, sin, H, Hkv)
+    scale = row_scale(B, T, device) if scaled else None
+    q, k, v = rope_qkv(qkv, cos, sin, H, Hkv, scale)
+    rq, rk, rv = reference_rope(ref_in * scale if scaled else ref_in, cos, sin, H, Hkv)
     for ours, ref in ((q, rq), (k, rk), (v, rv)):
         torch.testing.assert_close(ours.float(), ref, **tol(device))
     # Gradients in (B, H, T, hd) memory order, as SDPA's backward hands them over.
@@ -48,14 +57,16 @@ def test_rope_op_matches_the_pytorch_rotation_and_its_gradient(device):
     torch.testing.assert_close(qkv.grad.float(), ref_in.grad, **tol(device))
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row-scaled"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_swiglu_op_matches_silu_times_up_and_its_gradient(device):
+def test_swiglu_op_matches_silu_times_up_and_its_gradient(device, scaled):
     torch.manual_seed(1)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     gu = (torch.randn(3, 50, 2 * 172, device=device, dtype=dtype) * 3).requires_grad_()
     ref_in = gu.detach().float().requires_grad_()
-    h = swiglu(gu)
-    gate, up = ref_in.chunk(2, dim=-1)
+    scale = row_scale(3, 50, device) if scaled else None
+    h = swiglu(gu, scale)
+    gate, up = (ref_in * scale if scaled else ref_in).chunk(2, dim=-1)
     ref = F.silu(gate) * up
     torch.testing.assert_close(h.float(), ref, **tol(device))
     dh = torch.randn_like(ref)
@@ -83,3 +94,75 @@ def test_model_with_our_kernels_computes_the_same_loss_and_gradients(device):
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_row_scale_must_come_detached():
+    # The ops treat it as a constant; normed_linear returns it so and accounts for its gradient.
+    gu = torch.randn(2, 3, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="row scale is a constant"):
+        swiglu(gu, torch.ones(2, 3, 1, requires_grad=True))
+
+
+def plain_block_parts(x, weight, norm):
+    """RMSNorm, then the matmul: what normed_linear folds."""
+    return F.linear(norm(x), weight)
+
+
+@pytest.mark.parametrize("consumer", ["swiglu", "rope"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_norm_folded_into_its_matmul_gives_the_same_output_and_gradients(device, consumer):
+    # RMSNorm(x) @ W.T == r * (x @ (W * w).T), the consumer applying r: the output and the
+    # gradients of x, W and the norm's weight w match the unfolded norm, through either consumer.
+    torch.manual_seed(3)
+    B, T, D = 2, 37, 64
+    H, Hkv, hd = 4, 2, 16
+    out = 2 * 96 if consumer == "swiglu" else (H + 2 * Hkv) * hd
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = (torch.randn(B, T, D, device=device) * torch.linspace(0.1, 5, T, device=device)[None, :, None]).to(dtype)
+    weight = torch.randn(out, D, device=device) * D**-0.5
+    norm = RMSNorm(D, 1e-5).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(D, device=device))
+    cos, sin = (t.to(device) for t in rope_tables(hd, T, 10000.0))
+
+    def consume(z, scale=None):
+        if consumer == "swiglu":
+            return (swiglu(z, scale),)
+        return rope_qkv(z, cos, sin, H, Hkv, scale)
+
+    def run(fold):
+        xs, ws = x.detach().clone().requires_grad_(), weight.clone().requires_grad_()
+        norm.zero_grad()
+        if fold:
+            z, r = normed_linear(xs, ws, norm.weight, norm.eps)
+            outs = consume(z, r)
+        else:
+            outs = consume(plain_block_parts(xs, ws.to(dtype), norm))
+        grads = [torch.randn_like(o, dtype=torch.float32, generator=torch.Generator(device).manual_seed(i)).to(o.dtype)
+                 for i, o in enumerate(outs)]
+        torch.autograd.backward(outs, grads)
+        return [o.float() for o in outs], xs.grad.float(), ws.grad.float(), norm.weight.grad.float()
+
+    folded, plain = run(fold=True), run(fold=False)
+    t = tol(device) if device == "cpu" else {"rtol": 5e-2, "atol": 5e-2}
+    for a, b in zip(folded[0], plain[0]):
+        torch.testing.assert_close(a, b, **t)
+    for name, a, b in zip(("x", "weight", "norm weight"), folded[1:], plain[1:]):
+        torch.testing.assert_close(a, b, **t, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_residual_add_in_the_matmul_equals_the_add_after_it(device):
+    torch.manual_seed(4)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(2, 5, 32, device=device, dtype=dtype, requires_grad=True)
+    y = torch.randn(2, 5, 48, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(32, 48, device=device, requires_grad=True)
+    out = residual_linear(x, y, w)
+    ref = x + F.linear(y, w.to(dtype))
+    torch.testing.assert_close(out, ref, **tol(device))
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (x, y, w), g)
+    theirs = torch.autograd.grad(ref, (x, y, w), g)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.float(), b.float(), **tol(device))

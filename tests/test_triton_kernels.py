@@ -44,18 +44,22 @@ def _launch(shape: dict, **constants) -> tuple[dict, int]:
 
 # (kernel, signature by parameter, (constexprs, num_warps)): the launches of kernels.py and
 # losses.py, with their own launch shapes, for the 50M model (12 heads, 4 KV heads, head dim 64,
-# d_ff 2048).
-ROPE = _launch(kernels.ROPE_LAUNCH, H=12, HKV=4, HD=64)
+# d_ff 2048); RoPE and SwiGLU with the row scale of the folded norms, as the training step runs them.
+ROPE = _launch(kernels.ROPE_LAUNCH, H=12, HKV=4, HD=64, HAS_SCALE=True)
+SWIGLU = _launch(kernels.SWIGLU_LAUNCH, F_=2048, HAS_SCALE=True)
+SCALE = {"scale_ptr": "*fp32"}
 LAUNCHES = [
-    (kernels._rope_fwd_kernel, _sig("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr N T",
-                                    {"qkv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": P, "k_ptr": P, "v_ptr": P}),
+    (kernels._rope_fwd_kernel, _sig("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr scale_ptr N T",
+                                    {"qkv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": P, "k_ptr": P, "v_ptr": P,
+                                     **SCALE}),
      ROPE),
-    (kernels._rope_bwd_kernel, _sig("dq_ptr dk_ptr dv_ptr cos_ptr sin_ptr out_ptr N T qb qt qh qd kb kt kh kd vb vt vh vd",
-                                    {"dq_ptr": P, "dk_ptr": P, "dv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": P}),
+    (kernels._rope_bwd_kernel, _sig("dq_ptr dk_ptr dv_ptr cos_ptr sin_ptr scale_ptr out_ptr N T qb qt qh qd kb kt kh kd vb vt vh vd",
+                                    {"dq_ptr": P, "dk_ptr": P, "dv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": P,
+                                     **SCALE}),
      ROPE),
-    (kernels._swiglu_fwd_kernel, _sig("gu_ptr h_ptr total", {"gu_ptr": P, "h_ptr": P}), _launch(kernels.SWIGLU_LAUNCH, F_=2048)),
-    (kernels._swiglu_bwd_kernel, _sig("gu_ptr dh_ptr dgu_ptr total", {"gu_ptr": P, "dh_ptr": P, "dgu_ptr": P}),
-     _launch(kernels.SWIGLU_LAUNCH, F_=2048)),
+    (kernels._swiglu_fwd_kernel, _sig("gu_ptr h_ptr scale_ptr total", {"gu_ptr": P, "h_ptr": P, **SCALE}), SWIGLU),
+    (kernels._swiglu_bwd_kernel, _sig("gu_ptr dh_ptr dgu_ptr scale_ptr total", {"gu_ptr": P, "dh_ptr": P, "dgu_ptr": P, **SCALE}),
+     SWIGLU),
     (losses._ce_fwd_kernel, _sig("logits_ptr stride targets_ptr loss_ptr lse_ptr V Vp",
                                  {"logits_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32"}),
      _launch(losses.FWD_LAUNCH)),

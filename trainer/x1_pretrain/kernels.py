@@ -12,11 +12,16 @@ SwiGLU (~2x). Both are pure data movement with a few flops, so a kernel over til
 
 Both are torch.library custom ops (opaque to torch.compile) with a plain PyTorch path that runs
 wherever Triton does not (the CPU, tests). Math in fp32, stored in the input's dtype.
+
+Both also take an optional per-row `scale`: the 1 / rms of the norm before their matmul, which
+`normed_linear` leaves to them (the norm folded into its neighbours, below), so that the normed
+activations are never written.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +61,9 @@ ROPE_LAUNCH = {"BLOCK_N": 32, "num_warps": 4}  # tokens per program, warps
 if triton is not None:
 
     @triton.jit
-    def _rope_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, N, T,
-                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _rope_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, scale_ptr, N, T,
+                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_SCALE: tl.constexpr):
         half: tl.constexpr = HD // 2
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (n < N)[:, None]
@@ -66,6 +72,9 @@ if triton is not None:
         t = (n % T)[:, None]
         c = tl.load(cos_ptr + t * HD + d, mask=mask, other=0.0)
         s = tl.load(sin_ptr + t * HD + d, mask=mask, other=0.0)
+        if HAS_SCALE:  # a row's scale multiplies the rotation: both are linear
+            r = tl.load(scale_ptr + n, mask=n < N, other=0.0)[:, None]
+            c, s = c * r, s * r
         row = qkv_ptr + n64 * ((H + 2 * HKV) * HD)
         for j in tl.static_range(H + HKV):
             x1 = tl.load(row + j * HD + d, mask=mask, other=0.0).to(tl.float32)
@@ -78,12 +87,15 @@ if triton is not None:
             tl.store(dst + half + d, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=mask)
         e = tl.arange(0, HKV * HD)[None, :]
         v = tl.load(row + (H + HKV) * HD + e, mask=mask, other=0.0)
+        if HAS_SCALE:
+            v = (v.to(tl.float32) * r).to(v_ptr.dtype.element_ty)
         tl.store(v_ptr + n64 * (HKV * HD) + e, v, mask=mask)
 
     @triton.jit
-    def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, N, T,
+    def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, scale_ptr, out_ptr, N, T,
                          qb, qt, qh, qd, kb, kt, kh, kd, vb, vt, vh, vd,
-                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+                         H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_SCALE: tl.constexpr):
         # Gradients arrive in whatever layout attention's backward wrote them (strides given);
         # the output is the contiguous gradient of the qkv projection.
         half: tl.constexpr = HD // 2
@@ -94,6 +106,10 @@ if triton is not None:
         d = tl.arange(0, half)[None, :]
         c = tl.load(cos_ptr + t * HD + d, mask=mask, other=0.0)
         s = tl.load(sin_ptr + t * HD + d, mask=mask, other=0.0)
+        r = tl.full((BLOCK_N, 1), 1.0, tl.float32)
+        if HAS_SCALE:
+            r = tl.load(scale_ptr + n, mask=n < N, other=0.0)[:, None]
+            c, s = c * r, s * r
         out = out_ptr + n.to(tl.int64)[:, None] * ((H + 2 * HKV) * HD)
         for j in tl.static_range(H + 2 * HKV):
             if j < H:
@@ -111,7 +127,7 @@ if triton is not None:
             if j < H + HKV:  # the transpose of the rotation: (g2, -g1)
                 o1, o2 = g1 * c + g2 * s, g2 * c - g1 * s
             else:
-                o1, o2 = g1, g2
+                o1, o2 = g1 * r, g2 * r
             tl.store(out + j * HD + d, o1.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(out + j * HD + half + d, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -123,64 +139,91 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     return x.float() * cos[None, :, None, :] + rotated * sin[None, :, None, :]
 
 
+def _row_scaled(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x (B, T, ...) in fp32, each token's row times its scale (B, T, 1) if there is one."""
+    if scale is None:
+        return x.float()
+    return x.float() * scale.float().reshape(*x.shape[:2], *([1] * (x.dim() - 2)))
+
+
+def _scale_arg(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A kernel's scale pointer and its HAS_SCALE switch: without a scale, any pointer (never read)."""
+    if scale is None:
+        return like, False
+    assert scale.dtype == torch.float32 and scale.is_contiguous(), "the row scale: contiguous fp32, one per token"
+    return scale, True
+
+
 @torch.library.custom_op("x1::rope_qkv", mutates_args=())
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_head: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_head: int,
+             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused projection (B, T, (H + 2 Hkv) hd) into rotated q (B, T, H, hd), rotated
     k (B, T, Hkv, hd) and v (B, T, Hkv, hd); cos/sin: (T, hd) fp32, rotate-half layout, each angle
-    at i and i + hd/2 (`model.rope_tables`; the kernels read the first half)."""
+    at i and i + hd/2 (`model.rope_tables`; the kernels read the first half). With `scale`
+    (B, T, 1) fp32, each token's q, k and v are also multiplied by its scale, a constant to autograd."""
     B, T, C = qkv.shape
     hd = C // (n_head + 2 * n_kv_head)
     if not triton_ok(qkv):
-        x = qkv.view(B, T, n_head + 2 * n_kv_head, hd)
+        x = _row_scaled(qkv, scale).view(B, T, n_head + 2 * n_kv_head, hd)
         q, k, v = x.split([n_head, n_kv_head, n_kv_head], dim=2)
-        return (_rotate(q, cos, sin, -1.0).to(qkv.dtype), _rotate(k, cos, sin, -1.0).to(qkv.dtype), v.contiguous())
+        return (_rotate(q, cos, sin, -1.0).to(qkv.dtype), _rotate(k, cos, sin, -1.0).to(qkv.dtype),
+                v.to(qkv.dtype).contiguous())
     qkv = qkv.contiguous()
     q = qkv.new_empty(B, T, n_head, hd)
     k = qkv.new_empty(B, T, n_kv_head, hd)
     v = qkv.new_empty(B, T, n_kv_head, hd)
     grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]),)
-    _rope_fwd_kernel[grid](qkv, cos, sin, q, k, v, B * T, T, H=n_head, HKV=n_kv_head, HD=hd, **ROPE_LAUNCH)
+    scale_ptr, has_scale = _scale_arg(scale, qkv)
+    _rope_fwd_kernel[grid](qkv, cos, sin, q, k, v, scale_ptr, B * T, T, H=n_head, HKV=n_kv_head, HD=hd,
+                           HAS_SCALE=has_scale, **ROPE_LAUNCH)
     return q, k, v
 
 
 @rope_qkv.register_fake
-def _(qkv, cos, sin, n_head, n_kv_head):
+def _(qkv, cos, sin, n_head, n_kv_head, scale=None):
     B, T, C = qkv.shape
     hd = C // (n_head + 2 * n_kv_head)
     return qkv.new_empty(B, T, n_head, hd), qkv.new_empty(B, T, n_kv_head, hd), qkv.new_empty(B, T, n_kv_head, hd)
 
 
 @torch.library.custom_op("x1::rope_qkv_backward", mutates_args=())
-def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> torch.Tensor:
-    """Gradient of the fused projection: the rotations undone, q | k | v concatenated."""
+def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gradient of the fused projection: the rotations undone (and the row scale applied),
+    q | k | v concatenated."""
     B, T, H, hd = dq.shape
     Hkv = dk.size(2)
     if not triton_ok(dq):
         parts = [_rotate(dq, cos, sin, 1.0), _rotate(dk, cos, sin, 1.0), dv.float()]
-        return torch.cat(parts, dim=2).to(dq.dtype).reshape(B, T, (H + 2 * Hkv) * hd)
+        return _row_scaled(torch.cat(parts, dim=2), scale).to(dq.dtype).reshape(B, T, (H + 2 * Hkv) * hd)
     out = dq.new_empty(B, T, (H + 2 * Hkv) * hd)
     grid = (triton.cdiv(B * T, ROPE_LAUNCH["BLOCK_N"]),)
-    _rope_bwd_kernel[grid](dq, dk, dv, cos, sin, out, B * T, T, *dq.stride(), *dk.stride(), *dv.stride(),
-                           H=H, HKV=Hkv, HD=hd, **ROPE_LAUNCH)
+    scale_ptr, has_scale = _scale_arg(scale, dq)
+    _rope_bwd_kernel[grid](dq, dk, dv, cos, sin, scale_ptr, out, B * T, T, *dq.stride(), *dk.stride(), *dv.stride(),
+                           H=H, HKV=Hkv, HD=hd, HAS_SCALE=has_scale, **ROPE_LAUNCH)
     return out
 
 
 @rope_qkv_backward.register_fake
-def _(dq, dk, dv, cos, sin):
+def _(dq, dk, dv, cos, sin, scale=None):
     B, T, H, hd = dq.shape
     return dq.new_empty(B, T, (H + 2 * dk.size(2)) * hd)
 
 
+def _constant_scale(scale: torch.Tensor | None) -> None:
+    if scale is not None and scale.requires_grad:
+        raise ValueError("the row scale is a constant to these ops: pass it detached (normed_linear returns it so)")
+
+
 def _rope_setup(ctx, inputs, output) -> None:
-    _, cos, sin, _, _ = inputs
-    ctx.save_for_backward(cos, sin)
+    _, cos, sin, _, _, scale = inputs
+    _constant_scale(scale)
+    ctx.save_for_backward(cos, sin, scale)
 
 
 def _rope_backward(ctx, dq, dk, dv):
-    cos, sin = ctx.saved_tensors
-    return rope_qkv_backward(dq, dk, dv, cos, sin), None, None, None, None
+    cos, sin, scale = ctx.saved_tensors
+    return rope_qkv_backward(dq, dk, dv, cos, sin, scale), None, None, None, None, None
 
 
 rope_qkv.register_autograd(_rope_backward, setup_context=_rope_setup)
@@ -191,23 +234,31 @@ rope_qkv.register_autograd(_rope_backward, setup_context=_rope_setup)
 if triton is not None:
 
     @triton.jit
-    def _swiglu_fwd_kernel(gu_ptr, h_ptr, total, F_: tl.constexpr, BLOCK: tl.constexpr):
+    def _swiglu_fwd_kernel(gu_ptr, h_ptr, scale_ptr, total, F_: tl.constexpr, BLOCK: tl.constexpr,
+                           HAS_SCALE: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
         row, col = i // F_, i % F_
         g = tl.load(gu_ptr + row * (2 * F_) + col, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * (2 * F_) + F_ + col, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            r = tl.load(scale_ptr + row, mask=mask, other=0.0)
+            g, u = g * r, u * r
         h = g * tl.sigmoid(g) * u
         tl.store(h_ptr + i, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, total, F_: tl.constexpr, BLOCK: tl.constexpr):
+    def _swiglu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, scale_ptr, total, F_: tl.constexpr, BLOCK: tl.constexpr,
+                           HAS_SCALE: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
         row, col = i // F_, i % F_
         g = tl.load(gu_ptr + row * (2 * F_) + col, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * (2 * F_) + F_ + col, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:  # the gradient at the scaled gate and up, then through the scale
+            r = tl.load(scale_ptr + row, mask=mask, other=0.0)
+            g, u, dh = g * r, u * r, dh * r
         sig = tl.sigmoid(g)
         silu = g * sig
         dg = dh * u * sig * (1.0 + g * (1.0 - sig))
@@ -220,52 +271,115 @@ SWIGLU_LAUNCH = {"BLOCK": 2048, "num_warps": 8}  # elements per program, warps
 
 
 @torch.library.custom_op("x1::swiglu", mutates_args=())
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+def swiglu(gate_up: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim; with `scale` (B, T, 1) fp32,
+    of gate and up each multiplied by its token's scale, a constant to autograd."""
     if not triton_ok(gate_up):
-        gate, up = gate_up.float().chunk(2, dim=-1)
+        gate, up = _row_scaled(gate_up, scale).chunk(2, dim=-1)
         return (F.silu(gate) * up).to(gate_up.dtype)
     gate_up = gate_up.contiguous()
     f = gate_up.size(-1) // 2
     h = gate_up.new_empty(*gate_up.shape[:-1], f)
     total = h.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(total, SWIGLU_LAUNCH["BLOCK"]),)](gate_up, h, total, F_=f, **SWIGLU_LAUNCH)
+    scale_ptr, has_scale = _scale_arg(scale, gate_up)
+    _swiglu_fwd_kernel[(triton.cdiv(total, SWIGLU_LAUNCH["BLOCK"]),)](gate_up, h, scale_ptr, total, F_=f,
+                                                                      HAS_SCALE=has_scale, **SWIGLU_LAUNCH)
     return h
 
 
 @swiglu.register_fake
-def _(gate_up):
+def _(gate_up, scale=None):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.size(-1) // 2)
 
 
 @torch.library.custom_op("x1::swiglu_backward", mutates_args=())
-def swiglu_backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(gate_up: torch.Tensor, dh: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     if not triton_ok(gate_up):
-        gate, up = gate_up.float().chunk(2, dim=-1)
+        gate, up = _row_scaled(gate_up, scale).chunk(2, dim=-1)
         sig = torch.sigmoid(gate)
         dg = dh.float() * up * sig * (1 + gate * (1 - sig))
         du = dh.float() * gate * sig
-        return torch.cat((dg, du), dim=-1).to(gate_up.dtype)
+        return _row_scaled(torch.cat((dg, du), dim=-1), scale).to(gate_up.dtype)
     dh = dh.contiguous()
     dgu = torch.empty_like(gate_up)
     total = dh.numel()
-    _swiglu_bwd_kernel[(triton.cdiv(total, SWIGLU_LAUNCH["BLOCK"]),)](gate_up, dh, dgu, total, F_=dh.size(-1),
-                                                                      **SWIGLU_LAUNCH)
+    scale_ptr, has_scale = _scale_arg(scale, gate_up)
+    _swiglu_bwd_kernel[(triton.cdiv(total, SWIGLU_LAUNCH["BLOCK"]),)](gate_up, dh, dgu, scale_ptr, total, F_=dh.size(-1),
+                                                                      HAS_SCALE=has_scale, **SWIGLU_LAUNCH)
     return dgu
 
 
 @swiglu_backward.register_fake
-def _(gate_up, dh):
+def _(gate_up, dh, scale=None):
     return torch.empty_like(gate_up)
 
 
 def _swiglu_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[0])
+    _constant_scale(inputs[1])
+    ctx.save_for_backward(inputs[0], inputs[1])
 
 
 def _swiglu_bwd(ctx, dh):
-    (gate_up,) = ctx.saved_tensors
-    return swiglu_backward(gate_up.contiguous(), dh)
+    gate_up, scale = ctx.saved_tensors
+    return swiglu_backward(gate_up.contiguous(), dh, scale), None
 
 
 swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+
+
+# ---- RMSNorm folded into the matmul that reads it ---------------------------------------------
+#
+# A block's norm feeds one matmul, whose output feeds RoPE or SwiGLU. RMSNorm(x) @ W.T with norm
+# weight w is r * (x @ (W * w).T), r = 1 / rms(x) per token: so the matmul can read the stream x
+# itself, the kernel after it applies r, and the normed activations are never written, read back
+# or kept for the backward (100 MB each way per norm and 65,536-token micro-batch).
+
+
+class _NormedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        folded = (weight.float() * norm_weight.float()).to(dtype)
+        z = x.to(dtype) @ folded.t()
+        ctx.mark_non_differentiable(r)
+        ctx.save_for_backward(x, weight, norm_weight, folded, r)
+        return z, r
+
+    @staticmethod
+    def backward(ctx, dz: torch.Tensor, _dr: torch.Tensor | None):
+        # dz arrives already multiplied by r (the consumer's backward applied it). The loss reaches
+        # x through the matmul and through r; r's gradient, sum_j dy_j z_j, equals x . (dz @ W') / r,
+        # so it comes from the matmul's input gradient rather than another pass over z.
+        x, weight, norm_weight, folded, r = ctx.saved_tensors
+        dx_lin = dz @ folded
+        d_folded = dz.reshape(-1, dz.size(-1)).t() @ x.reshape(-1, x.size(-1)).to(dz.dtype)
+        xf, g = x.float(), dx_lin.float()
+        dx = g - xf * (r * r) * (xf * g).mean(-1, keepdim=True)  # d r / d x = -r^3 x / D
+        d_folded = d_folded.float()
+        d_weight, d_norm_weight = d_folded * norm_weight.float(), (d_folded * weight.float()).sum(0)
+        return dx.to(x.dtype), d_weight.to(weight.dtype), d_norm_weight.to(norm_weight.dtype), None
+
+
+def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, r) with RMSNorm(x; norm_weight, eps) @ weight.T == r * z: z = x @ (weight * norm_weight).T
+    in the compute dtype, r (..., 1) fp32 the norm's 1 / rms per token.
+
+    r comes back as a constant to autograd, for `rope_qkv` or `swiglu` to apply as their `scale`:
+    the gradient through r is computed here, which holds only if z goes to exactly one of them,
+    with this r as its scale."""
+    return _NormedLinear.apply(x, weight, norm_weight, eps)
+
+
+RESIDUAL_ADDMM = True  # the benchmark turns it off to measure the fold without it
+
+
+def residual_linear(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x + y @ weight.T, the residual add in the matmul's epilogue (one addmm) when x is already in
+    the matmul's dtype: the sublayer's output is never written and read back."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else y.dtype
+    if x.dtype != dtype or not RESIDUAL_ADDMM:  # an fp32 stream: the add stays in fp32, apart from the matmul
+        return x + F.linear(y, weight)
+    out = torch.addmm(x.reshape(-1, x.size(-1)), y.reshape(-1, y.size(-1)).to(dtype), weight.to(dtype).t())
+    return out.view(x.shape)

@@ -32,6 +32,10 @@ FUSED_SWIGLU = True
 # With the loss kernel on, in training: the head and the loss as one autograd Function whose
 # forward also writes the logits' gradient (losses.head_cross_entropy).
 FUSED_HEAD_GRAD = True
+# With both kernels on: each block's norms folded into the matmul after them (the kernel after
+# that applies the norm's per-token scale) and each residual add done by the matmul before it
+# (kernels.normed_linear, kernels.residual_linear).
+FOLD_NORMS = True
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -105,14 +109,21 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
-        B, T, _ = x.shape
+        return self.wo(self.attend(self.wqkv(x), cos, sin, cache, layer))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+               layer: int = 0, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention's output before its projection, (B, T, H hd), from the fused projection qkv
+        (B, T, (H + 2 Hkv) hd); `scale` (B, T, 1): a per-token factor of qkv (a folded norm's)."""
+        B, T, _ = qkv.shape
         H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) hd)
         if self.fused and cache is None and FUSED_ROPE:
             from x1_pretrain.kernels import rope_qkv
 
-            q, k, v = rope_qkv(qkv, cos, sin, H, Hkv)
+            q, k, v = rope_qkv(qkv, cos, sin, H, Hkv, scale)
         else:  # q and k rotated as one tensor: one kernel each way instead of two
+            if scale is not None:
+                qkv = (qkv.float() * scale).to(qkv.dtype)
             qk = apply_rope(qkv[..., : (H + Hkv) * hd].view(B, T, H + Hkv, hd), cos, sin)
             q, k = qk.split([H, Hkv], dim=2)  # (B, T, H, hd), (B, T, Hkv, hd)
             v = qkv[..., (H + Hkv) * hd :].view(B, T, Hkv, hd)
@@ -126,7 +137,7 @@ class Attention(nn.Module):
             y = flash_attn_func(q, k, v, causal=True)  # takes (B, T, H, hd), GQA natively
         else:
             y = self._sdpa(q, k, v, start)
-        return self.wo(y.reshape(B, T, self.n_head * self.head_dim))
+        return y.reshape(B, T, self.n_head * self.head_dim)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
@@ -170,8 +181,20 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+        if cache is None and self.attn.fused and self.mlp.fused and FOLD_NORMS and FUSED_ROPE and FUSED_SWIGLU:
+            return self._folded(x, cos, sin)
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
+
+    def _folded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The same block, its norms folded into wqkv and w_gate_up, its residual adds into wo and
+        w_down: the normed activations and the sublayers' outputs are never written."""
+        from x1_pretrain.kernels import normed_linear, residual_linear, swiglu
+
+        qkv, r = normed_linear(x, self.attn.wqkv.weight, self.attn_norm.weight, self.attn_norm.eps)
+        x = residual_linear(x, self.attn.attend(qkv, cos, sin, scale=r), self.attn.wo.weight)
+        gate_up, r = normed_linear(x, self.mlp.w_gate_up.weight, self.mlp_norm.weight, self.mlp_norm.eps)
+        return residual_linear(x, swiglu(gate_up, r), self.mlp.w_down.weight)
 
 
 class Transformer(nn.Module):
