@@ -81,7 +81,6 @@ VARIANTS: dict[str, dict] = {
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
     "no-norm-fold": {"patch": {"x1_pretrain.model.FOLD_NORMS": False}},  # the norms written out, as before call 35
-    "no-residual-addmm": {"patch": {"x1_pretrain.kernels.RESIDUAL_ADDMM": False}},  # the fold, the adds after the matmuls
     "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},

@@ -21,7 +21,7 @@ activations are never written.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional  # the custom ops' schemas: torch reads Optional[Tensor] on every version we run
 
 import torch
 import torch.nn.functional as F
@@ -156,7 +156,7 @@ def _scale_arg(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Te
 
 @torch.library.custom_op("x1::rope_qkv", mutates_args=())
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, n_kv_head: int,
-             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: UP045
     """Split the fused projection (B, T, (H + 2 Hkv) hd) into rotated q (B, T, H, hd), rotated
     k (B, T, Hkv, hd) and v (B, T, Hkv, hd); cos/sin: (T, hd) fp32, rotate-half layout, each angle
     at i and i + hd/2 (`model.rope_tables`; the kernels read the first half). With `scale`
@@ -188,7 +188,7 @@ def _(qkv, cos, sin, n_head, n_kv_head, scale=None):
 
 @torch.library.custom_op("x1::rope_qkv_backward", mutates_args=())
 def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
     """Gradient of the fused projection: the rotations undone (and the row scale applied),
     q | k | v concatenated."""
     B, T, H, hd = dq.shape
@@ -271,7 +271,7 @@ SWIGLU_LAUNCH = {"BLOCK": 2048, "num_warps": 8}  # elements per program, warps
 
 
 @torch.library.custom_op("x1::swiglu", mutates_args=())
-def swiglu(gate_up: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
     """silu(gate) * up for gate_up = [gate | up] along the last dim; with `scale` (B, T, 1) fp32,
     of gate and up each multiplied by its token's scale, a constant to autograd."""
     if not triton_ok(gate_up):
@@ -293,7 +293,7 @@ def _(gate_up, scale=None):
 
 
 @torch.library.custom_op("x1::swiglu_backward", mutates_args=())
-def swiglu_backward(gate_up: torch.Tensor, dh: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu_backward(gate_up: torch.Tensor, dh: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
     if not triton_ok(gate_up):
         gate, up = _row_scaled(gate_up, scale).chunk(2, dim=-1)
         sig = torch.sigmoid(gate)
@@ -370,16 +370,3 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
     the gradient through r is computed here, which holds only if z goes to exactly one of them,
     with this r as its scale."""
     return _NormedLinear.apply(x, weight, norm_weight, eps)
-
-
-RESIDUAL_ADDMM = True  # the benchmark turns it off to measure the fold without it
-
-
-def residual_linear(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x + y @ weight.T, the residual add in the matmul's epilogue (one addmm) when x is already in
-    the matmul's dtype: the sublayer's output is never written and read back."""
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else y.dtype
-    if x.dtype != dtype or not RESIDUAL_ADDMM:  # an fp32 stream: the add stays in fp32, apart from the matmul
-        return x + F.linear(y, weight)
-    out = torch.addmm(x.reshape(-1, x.size(-1)), y.reshape(-1, y.size(-1)).to(dtype), weight.to(dtype).t())
-    return out.view(x.shape)

@@ -32,9 +32,8 @@ FUSED_SWIGLU = True
 # With the loss kernel on, in training: the head and the loss as one autograd Function whose
 # forward also writes the logits' gradient (losses.head_cross_entropy).
 FUSED_HEAD_GRAD = True
-# With both kernels on: each block's norms folded into the matmul after them (the kernel after
-# that applies the norm's per-token scale) and each residual add done by the matmul before it
-# (kernels.normed_linear, kernels.residual_linear).
+# With both kernels on: each block's norms folded into the matmul after them, the kernel after
+# that applying the norm's per-token scale (kernels.normed_linear).
 FOLD_NORMS = True
 
 
@@ -187,14 +186,14 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def _folded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The same block, its norms folded into wqkv and w_gate_up, its residual adds into wo and
-        w_down: the normed activations and the sublayers' outputs are never written."""
-        from x1_pretrain.kernels import normed_linear, residual_linear, swiglu
+        """The same block, its norms folded into wqkv and w_gate_up: the normed activations are
+        never written, and RoPE's and SwiGLU's kernels apply the norms' per-token scale."""
+        from x1_pretrain.kernels import normed_linear, swiglu
 
         qkv, r = normed_linear(x, self.attn.wqkv.weight, self.attn_norm.weight, self.attn_norm.eps)
-        x = residual_linear(x, self.attn.attend(qkv, cos, sin, scale=r), self.attn.wo.weight)
+        x = x + self.attn.wo(self.attn.attend(qkv, cos, sin, scale=r))
         gate_up, r = normed_linear(x, self.mlp.w_gate_up.weight, self.mlp_norm.weight, self.mlp_norm.eps)
-        return residual_linear(x, swiglu(gate_up, r), self.mlp.w_down.weight)
+        return x + self.mlp.w_down(swiglu(gate_up, r))
 
 
 class Transformer(nn.Module):
