@@ -104,49 +104,52 @@ def test_the_row_scale_must_come_detached():
 
 
 def plain_block_parts(x, weight, norm):
-    """RMSNorm, then the matmul: what normed_linear folds."""
-    return F.linear(norm(x), weight)
+    """RMSNorm, then the matmul in the weight's dtype (as autocast casts it): what normed_linear folds."""
+    return F.linear(norm(x).to(weight.dtype), weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("consumer", ["swiglu", "rope"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_norm_folded_into_its_matmul_gives_the_same_output_and_gradients(device, consumer):
+def test_a_norm_folded_into_its_matmul_gives_the_same_output_and_gradients(device, consumer, dtype):
     # RMSNorm(x) @ W.T == r * (x @ (W * w).T), the consumer applying r: the output and the
     # gradients of x, W and the norm's weight w match the unfolded norm, through either consumer.
+    # In fp32 they match to rounding; in bf16 the two round in different places, so each is held
+    # to the fp32 result: the fold no less accurate than the norm written out.
     torch.manual_seed(3)
     B, T, D = 2, 37, 64
     H, Hkv, hd = 4, 2, 16
     out = 2 * 96 if consumer == "swiglu" else (H + 2 * Hkv) * hd
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    x = (torch.randn(B, T, D, device=device) * torch.linspace(0.1, 5, T, device=device)[None, :, None]).to(dtype)
+    x = torch.randn(B, T, D, device=device) * torch.linspace(0.1, 5, T, device=device)[None, :, None]
     weight = torch.randn(out, D, device=device) * D**-0.5
     norm = RMSNorm(D, 1e-5).to(device)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.3 * torch.randn(D, device=device))
     cos, sin = (t.to(device) for t in rope_tables(hd, T, 10000.0))
+    out_grads = None
 
-    def consume(z, scale=None):
-        if consumer == "swiglu":
-            return (swiglu(z, scale),)
-        return rope_qkv(z, cos, sin, H, Hkv, scale)
-
-    def run(fold):
-        xs, ws = x.detach().clone().requires_grad_(), weight.clone().requires_grad_()
+    def run(fold, dtype):
+        nonlocal out_grads
+        xs, ws = x.to(dtype).clone().requires_grad_(), weight.clone().requires_grad_()
         norm.zero_grad()
         if fold:
             z, r = normed_linear(xs, ws, norm.weight, norm.eps)
-            outs = consume(z, r)
         else:
-            outs = consume(plain_block_parts(xs, ws.to(dtype), norm))
-        grads = [torch.randn_like(o, dtype=torch.float32, generator=torch.Generator(device).manual_seed(i)).to(o.dtype)
-                 for i, o in enumerate(outs)]
-        torch.autograd.backward(outs, grads)
-        return [o.float() for o in outs], xs.grad.float(), ws.grad.float(), norm.weight.grad.float()
+            z, r = plain_block_parts(xs, ws.to(dtype), norm), None
+        outs = (swiglu(z, r),) if consumer == "swiglu" else rope_qkv(z, cos, sin, H, Hkv, r)
+        if out_grads is None:
+            out_grads = [torch.randn(o.shape, device=device) for o in outs]
+        torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(out_grads, outs, strict=True)])
+        return [o.float() for o in outs] + [xs.grad.float(), ws.grad.float(), norm.weight.grad.float()]
 
-    folded, plain = run(fold=True), run(fold=False)
-    t = tol(device) if device == "cpu" else {"rtol": 5e-2, "atol": 5e-2}
-    for a, b in zip(folded[0], plain[0], strict=True):
-        torch.testing.assert_close(a, b, **t)
-    for name, a, b in zip(("x", "weight", "norm weight"), folded[1:], plain[1:], strict=True):
-        torch.testing.assert_close(a, b, **t, msg=lambda m, name=name: f"{name}: {m}")
-
+    names = [f"output {i}" for i in range(1 if consumer == "swiglu" else 3)] + ["x grad", "weight grad", "norm weight grad"]
+    truth = run(fold=False, dtype=torch.float32)
+    folded = run(fold=True, dtype=dtype)
+    if dtype == torch.float32:
+        for name, a, b in zip(names, folded, truth, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        return
+    plain = run(fold=False, dtype=dtype)
+    for name, a, b, t in zip(names, folded, plain, truth, strict=True):
+        err_fold, err_plain = ((a - t).norm() / t.norm()).item(), ((b - t).norm() / t.norm()).item()
+        assert err_fold < max(2 * err_plain, 1e-3), f"{name}: the fold's error {err_fold:.2e}, the plain path's {err_plain:.2e}"
