@@ -106,8 +106,7 @@ if triton is not None:
         d = tl.arange(0, half)[None, :]
         c = tl.load(cos_ptr + t * HD + d, mask=mask, other=0.0)
         s = tl.load(sin_ptr + t * HD + d, mask=mask, other=0.0)
-        r = tl.full((BLOCK_N, 1), 1.0, tl.float32)
-        if HAS_SCALE:
+        if HAS_SCALE:  # as in the forward: the scale rides on cos and sin, and on v's copy below
             r = tl.load(scale_ptr + n, mask=n < N, other=0.0)[:, None]
             c, s = c * r, s * r
         out = out_ptr + n.to(tl.int64)[:, None] * ((H + 2 * HKV) * HD)
@@ -126,8 +125,10 @@ if triton is not None:
                 g2 = tl.load(src + (half + d) * vd, mask=mask, other=0.0).to(tl.float32)
             if j < H + HKV:  # the transpose of the rotation: (g2, -g1)
                 o1, o2 = g1 * c + g2 * s, g2 * c - g1 * s
-            else:
+            elif HAS_SCALE:
                 o1, o2 = g1 * r, g2 * r
+            else:
+                o1, o2 = g1, g2
             tl.store(out + j * HD + d, o1.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(out + j * HD + half + d, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
