@@ -44,7 +44,7 @@ def _launch(shape: dict, **constants) -> tuple[dict, int]:
 
 # (kernel, signature by parameter, (constexprs, num_warps)): the launches of kernels.py and
 # losses.py, with their own launch shapes, for the 50M model (12 heads, 4 KV heads, head dim 64,
-# d_ff 2048); RoPE and SwiGLU with the row scale of the folded norms, as the training step runs them.
+# d_ff 2048); RoPE and SwiGLU with the row scale of the folded norms, as the training step runs them...
 ROPE = _launch(kernels.ROPE_LAUNCH, H=12, HKV=4, HD=64, HAS_SCALE=True)
 SWIGLU = _launch(kernels.SWIGLU_LAUNCH, F_=2048, HAS_SCALE=True)
 SCALE = {"scale_ptr": "*fp32"}
@@ -71,6 +71,9 @@ LAUNCHES = [
                                        "lse_ptr": "*fp32"}),
      _launch({k: v for k, v in losses.GRAD_LAUNCH.items() if k != "PER_SM"})),
 ]
+# ...and RoPE and SwiGLU without the scale, as the step runs them with model.FOLD_NORMS off.
+LAUNCHES += [(kernel, signature, ({**constants, "HAS_SCALE": False}, warps))
+             for kernel, signature, (constants, warps) in LAUNCHES if constants.get("HAS_SCALE")]
 
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
