@@ -150,8 +150,12 @@ def main() -> int:
     p.add_argument("--variant", help=f"a named lever, or several joined by +: {', '.join(VARIANTS)}")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--sdpa", choices=["flash", "cudnn", "efficient", "math"])
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one bare step and its GPU idle time")
-    p.add_argument("--trace", help="with --profile: keep the step's Chrome trace here")
+    p.add_argument("--profile", action="store_true",
+                   help="print the top CUDA kernels of the profiled bare steps (--profile-steps) and their GPU idle time")
+    p.add_argument("--trace", help="with --profile: keep the profiled steps' Chrome trace here")
+    p.add_argument("--profile-steps", type=int, default=1,
+                   help="with --profile: this many steps in a row, queued without a sync between them (the idle "
+                        "time between two steps shows only with 2 or more)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps timed for the bare step")
     p.add_argument("--loop-steps", type=int, default=30, help="optimizer steps of the full loop (0 skips it)")
     p.add_argument("--peak-tflops", type=float, help="measured matmul peak (measured here when omitted)")
@@ -160,6 +164,8 @@ def main() -> int:
     p.add_argument("--name", default="ours")
     p.add_argument("--json", help="append the result as a JSON line to this file")
     args = p.parse_args()
+    if args.profile_steps < 1:
+        p.error(f"--profile-steps must be at least 1, got {args.profile_steps}")
     patches: dict = {}
     if args.variant:
         v = resolve_variant(args.variant)
@@ -225,7 +231,8 @@ def main() -> int:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            one_step(args.steps + 1)
+            for i in range(args.profile_steps):
+                one_step(args.steps + 1 + i)
             sync()
         print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
                                         max_name_column_width=100), flush=True)
@@ -233,9 +240,10 @@ def main() -> int:
             trace = Path(args.trace or work / "trace.json")
             prof.export_chrome_trace(str(trace))
             print(json.dumps({"gpu_timeline": gpu_idle(trace)}), flush=True)
+        after = args.steps + 1 + args.profile_steps  # the first step the profile did not take
         run.batches.close()
-        run.batches = run.make_batches(args.steps + 2, run.micro_batch, run.grad_accum)
-        run.state.step = args.steps + 2
+        run.batches = run.make_batches(after, run.micro_batch, run.grad_accum)
+        run.state.step = after
 
     loop_tps = bare_after_tps = None
     intervals: list[float] = []
