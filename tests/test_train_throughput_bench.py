@@ -1,0 +1,50 @@
+"""bench/train_throughput.py on the CPU with the tiny config: the dry run the GPU calls rely on.
+The GPU numbers it prints live in docs/PERFORMANCE.md; here it must build the run, profile the
+steps it is asked for, and hand the loop the batches that follow them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, TINY_CONFIG, cli_env
+
+BENCH = REPO / "bench" / "train_throughput.py"
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300,
+                          env=cli_env(), cwd=REPO)
+
+
+def calls_in_profile(table: str, op: str) -> int:
+    """The '# of Calls' column of the profiler's table for `op`."""
+    row = next(line for line in table.splitlines() if line.strip().startswith(op + " "))
+    return int(row.split()[-1])
+
+
+def test_profile_steps_profiles_that_many_steps_and_the_loop_resumes_after_them(tiny_data: Path, tmp_path: Path):
+    results = []
+    for n in (1, 2):
+        out = tmp_path / f"profile-{n}.jsonl"
+        # --loop-steps 11 logs one interval at step 10: the loop ran on the batches after the
+        # profiled steps (a batch out of order fails the trainer's own assertion).
+        proc = bench("--config", str(TINY_CONFIG), "--data-dir", str(tiny_data), "--steps", "1", "--loop-steps", "11",
+                     "--profile", "--profile-steps", str(n), "--json", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(out.read_text()))
+        # The optimizer's step is a named region of the profile, once per profiled step.
+        assert calls_in_profile(proc.stdout, "Optimizer.step#AdamW.step") == n
+    for r in results:
+        assert r["gpu"] == "cpu" and r["bare_tokens_per_sec"] > 0
+        assert r["loop_tokens_per_sec"] > 0 and len(r["loop_intervals"]) == 1 and r["bare_after_tokens_per_sec"] > 0
+
+
+def test_profile_steps_below_one_is_refused_with_exit_2_before_any_work(tmp_path: Path):
+    out = tmp_path / "out.jsonl"
+    proc = bench("--data-dir", str(tmp_path / "nowhere"), "--profile", "--profile-steps", "0", "--json", str(out))
+    assert proc.returncode == 2
+    assert "--profile-steps must be at least 1, got 0" in proc.stderr
+    assert not out.exists()
