@@ -81,6 +81,7 @@ VARIANTS: dict[str, dict] = {
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
     "no-norm-fold": {"patch": {"x1_pretrain.model.FOLD_NORMS": False}},  # the norms written out, as before call 35
+    "casts-per-micro-step": {"sets": ["train.weight_casts=per-micro-step"]},  # autocast's casts, as before call 43
     "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},

@@ -187,6 +187,11 @@ class TrainConfig(_Section):
         "dtype, as plain autocast leaves it) or bf16 (as TorchTitan's bf16 training keeps it): every norm and "
         "residual add then moves half the bytes; the norms still compute in fp32"
     )
+    weight_casts: Literal["per-step", "per-micro-step"] = Field(
+        "per-step", description="under bf16-mixed, the weights' bf16 copies for the matmuls: taken once per optimizer "
+        "step and shared by its micro-steps, or by autocast at every micro-step. The same values either way (one "
+        "process without float8; elsewhere per micro-step)"
+    )
     float8: Literal["off", "tensorwise", "rowwise"] = Field(
         "off", description="torchao float8 matmuls for the blocks' linear layers (GPUs of compute capability 8.9+: "
         "H100, H200, L4, L40S); the tied head stays bf16. Off in the 50M configs: at d_model 768 it measured "

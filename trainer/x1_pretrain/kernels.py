@@ -338,10 +338,12 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 
 class _NormedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                folded: torch.Tensor | None):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        folded = (weight.float() * norm_weight.float()).to(dtype)
+        if folded is None:  # else the step's copy (model.Bf16Weights): the same product, taken once per step
+            folded = (weight.float() * norm_weight.float()).to(dtype)
         z = x.to(dtype) @ folded.t()
         ctx.mark_non_differentiable(r)
         ctx.save_for_backward(x, weight, norm_weight, folded, r)
@@ -359,15 +361,16 @@ class _NormedLinear(torch.autograd.Function):
         dx = g - xf * (r * r) * (xf * g).mean(-1, keepdim=True)  # d r / d x = -r^3 x / D
         d_folded = d_folded.float()
         d_weight, d_norm_weight = d_folded * norm_weight.float(), (d_folded * weight.float()).sum(0)
-        return dx.to(x.dtype), d_weight.to(weight.dtype), d_norm_weight.to(norm_weight.dtype), None
+        return dx.to(x.dtype), d_weight.to(weight.dtype), d_norm_weight.to(norm_weight.dtype), None, None
 
 
-def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  folded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(z, r) with RMSNorm(x; norm_weight, eps) @ weight.T == r * z: z = x @ (weight * norm_weight).T
     in the compute dtype, r (..., 1) fp32 the norm's 1 / rms per token.
 
     r comes back as a constant to autograd, for `rope_qkv` or `swiglu` to apply as their `scale`:
     the gradient through r is computed here, which holds only if z goes to exactly one of them,
-    with this r as its scale."""
-    return _NormedLinear.apply(x, weight, norm_weight, eps)
+    with this r as its scale. `folded`: (weight * norm_weight) in the compute dtype, when the caller
+    took it already for this optimizer step; its gradient goes to weight and norm_weight."""
+    return _NormedLinear.apply(x, weight, norm_weight, eps, folded)

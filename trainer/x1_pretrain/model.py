@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -96,6 +97,32 @@ class KVCache:
         )
 
 
+# ---- bf16 weights taken once per optimizer step -------------------------------------------------
+
+
+class _Bf16Copy(torch.autograd.Function):
+    """A weight's bf16 copy (`Bf16Weights`) in place of the cast autocast takes at each micro-step:
+    the same values forward, and backward the cast's gradient, the copy's as the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def _copy(copies: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor | None:
+    return None if copies is None else copies[key]
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear, copy: torch.Tensor | None) -> torch.Tensor:
+    """layer(x), with the weight's bf16 copy for this optimizer step when there is one."""
+    return layer(x) if copy is None else F.linear(x, _Bf16Copy.apply(layer.weight, copy))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,9 +133,11 @@ class Attention(nn.Module):
         self.fused = False  # kernels.rope_qkv instead of PyTorch ops (training on CUDA)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+        copies: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.wo(self.attend(self.wqkv(x), cos, sin, cache, layer))
+        qkv = _linear(x, self.wqkv, _copy(copies, "wqkv"))
+        return _linear(self.attend(qkv, cos, sin, cache, layer), self.wo, _copy(copies, "wo"))
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                layer: int = 0, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,14 +190,16 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
         self.fused = False  # kernels.swiglu instead of PyTorch ops (training on CUDA)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.w_gate_up(x)
+    def forward(self, x: torch.Tensor, copies: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        gate_up = _linear(x, self.w_gate_up, _copy(copies, "w_gate_up"))
         if self.fused and FUSED_SWIGLU:
             from x1_pretrain.kernels import swiglu
 
-            return self.w_down(swiglu(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+            h = swiglu(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return _linear(h, self.w_down, _copy(copies, "w_down"))
 
 
 class Block(nn.Module):
@@ -179,21 +210,31 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
-        if cache is None and self.attn.fused and self.mlp.fused and FOLD_NORMS and FUSED_ROPE and FUSED_SWIGLU:
-            return self._folded(x, cos, sin)
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
-        return x + self.mlp(self.mlp_norm(x))
+    def folds_norms(self, cache: KVCache | None = None) -> bool:
+        """Whether forward takes the folded path (`_folded`)."""
+        return cache is None and self.attn.fused and self.mlp.fused and FOLD_NORMS and FUSED_ROPE and FUSED_SWIGLU
 
-    def _folded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int,
+                copies: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """`copies`: this block's bf16 weights for the current optimizer step (`Bf16Weights`), or
+        None for autocast's casts."""
+        if self.folds_norms(cache):
+            return self._folded(x, cos, sin, copies)
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, copies)
+        return x + self.mlp(self.mlp_norm(x), copies)
+
+    def _folded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                copies: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """The same block, its norms folded into wqkv and w_gate_up: the normed activations are
         never written, and RoPE's and SwiGLU's kernels apply the norms' per-token scale."""
         from x1_pretrain.kernels import normed_linear, swiglu
 
-        qkv, r = normed_linear(x, self.attn.wqkv.weight, self.attn_norm.weight, self.attn_norm.eps)
-        x = x + self.attn.wo(self.attn.attend(qkv, cos, sin, scale=r))
-        gate_up, r = normed_linear(x, self.mlp.w_gate_up.weight, self.mlp_norm.weight, self.mlp_norm.eps)
-        return x + self.mlp.w_down(swiglu(gate_up, r))
+        qkv, r = normed_linear(x, self.attn.wqkv.weight, self.attn_norm.weight, self.attn_norm.eps,
+                               _copy(copies, "wqkv_folded"))
+        x = x + _linear(self.attn.attend(qkv, cos, sin, scale=r), self.attn.wo, _copy(copies, "wo"))
+        gate_up, r = normed_linear(x, self.mlp.w_gate_up.weight, self.mlp_norm.weight, self.mlp_norm.eps,
+                                   _copy(copies, "w_gate_up_folded"))
+        return x + _linear(swiglu(gate_up, r), self.mlp.w_down, _copy(copies, "w_down"))
 
 
 class Transformer(nn.Module):
@@ -234,8 +275,9 @@ class Transformer(nn.Module):
         for block in self.layers:
             block.attn.fused = block.mlp.fused = on
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final normed hidden states (B, T, d_model)."""
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               copies: dict[str, Any] | None = None) -> torch.Tensor:
+        """Final normed hidden states (B, T, d_model); `copies` as in forward."""
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
@@ -243,7 +285,7 @@ class Transformer(nn.Module):
         if self.residual_dtype is not None:
             x = x.to(self.residual_dtype)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, cache, i)
+            x = block(x, cos, sin, cache, i, None if copies is None else copies["layers"][i])
         if cache is not None:
             cache.pos += T
         return self.norm(x)
@@ -253,18 +295,19 @@ class Transformer(nn.Module):
         h = self.hidden(idx, cache)
         return F.linear(h, self.tok_emb.weight[: self.cfg.vocab_size])
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy in fp32. idx, targets: (B, T) int64."""
-        h = self.hidden(idx)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, copies: dict[str, Any] | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy in fp32. idx, targets: (B, T) int64. `copies`: the bf16
+        weights of the current optimizer step (`Bf16Weights.refresh`), or None for autocast's casts."""
+        h = self.hidden(idx, copies=copies)
+        w = self.tok_emb.weight if copies is None else _Bf16Copy.apply(self.tok_emb.weight, copies["head"])
         if self.fused_loss and FUSED_HEAD_GRAD and torch.is_grad_enabled():
             from x1_pretrain.losses import head_cross_entropy
 
-            w = self.tok_emb.weight
             if torch.is_autocast_enabled(h.device.type):  # the casts autocast gives the head's F.linear
                 dtype = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dtype), w.to(dtype)
             return head_cross_entropy(h, w, targets, self.cfg.vocab_size)
-        logits = F.linear(h, self.tok_emb.weight)  # (B, T, padded V); tied head
+        logits = F.linear(h, w)  # (B, T, padded V); tied head
         if self.fused_loss:
             from x1_pretrain.losses import fused_cross_entropy
 
@@ -272,6 +315,47 @@ class Transformer(nn.Module):
         # Padded columns never count: slice them off before the softmax.
         logits = logits[..., : self.cfg.vocab_size].float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class Bf16Weights:
+    """The bf16 weights of one optimizer step, for its micro-steps to share.
+
+    Under autocast every micro-step casts each fp32 weight to bf16 again (with the norms folded,
+    times the norm's weight first): at micro-batch 64, 8 casts per step of weights that change
+    only at the optimizer step. `refresh` takes them once; the trainer calls it before each step's
+    first micro-step and hands its result to the forward. Only that forward gets them (eval,
+    sampling and export never do), so no forward reads copies older than the weights it trains.
+    Same values, same gradients: each copy's gradient reaches its fp32 weight as the cast's did.
+
+    Whether a block's copies are folded with its norms follows the path its forward will take
+    (`Block.folds_norms`); a block that takes the other path finds no copy under its keys."""
+
+    def __init__(self, model: Transformer, dtype: torch.dtype = torch.bfloat16):
+        self.copies: dict[str, Any] = {"layers": []}
+        self._sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # copy, weight, norm weight
+
+        def add(weight: torch.Tensor, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+            copy = torch.empty_like(weight, dtype=dtype)
+            self._sources.append((copy, weight, norm_weight))
+            return copy
+
+        for block in model.layers:
+            attn, mlp = block.attn, block.mlp
+            if block.folds_norms():
+                qkv = {"wqkv_folded": add(attn.wqkv.weight, block.attn_norm.weight),
+                       "w_gate_up_folded": add(mlp.w_gate_up.weight, block.mlp_norm.weight)}
+            else:
+                qkv = {"wqkv": add(attn.wqkv.weight), "w_gate_up": add(mlp.w_gate_up.weight)}
+            self.copies["layers"].append({**qkv, "wo": add(attn.wo.weight), "w_down": add(mlp.w_down.weight)})
+        self.copies["head"] = add(model.tok_emb.weight)
+
+    @torch.no_grad()
+    def refresh(self) -> dict[str, Any]:
+        """The copies, taken again from the weights as they are now (after the last optimizer step)."""
+        for copy, weight, norm_weight in self._sources:
+            # The fold's product in fp32, then one rounding: what normed_linear computes itself.
+            copy.copy_(weight if norm_weight is None else weight.float() * norm_weight.float())
+        return self.copies
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -40,7 +40,7 @@ from x1_pretrain.checkpoint import Checkpointer, CheckpointError, TrainerState, 
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
 from x1_pretrain.data import split_window
 from x1_pretrain.lease import take_trainer_lease
-from x1_pretrain.model import Transformer, attention_backend, param_groups
+from x1_pretrain.model import Bf16Weights, Transformer, attention_backend, param_groups
 from x1_pretrain.spikes import SpikeDetector, SpikeInjector
 
 log = logging.getLogger("x1.train")
@@ -198,6 +198,7 @@ class Run:
     throughput: Throughput = field(default_factory=Throughput)
     compiles: CompileWatch = field(default_factory=CompileWatch)
     cudagraphs: bool = False  # compiled with a mode that replays CUDA graphs
+    bf16_weights: Bf16Weights | None = None  # the step's bf16 weights, cast once for its micro-steps
     backward_context: Any = contextlib.nullcontext  # compiled autograd, when on
     last_saved_step: int = -1
     floor_warned_at: float = 0.0
@@ -325,6 +326,7 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
     # (torch 2.11, CUDA) fails on the Python scalar that `(loss / grad_accum).backward()` leaves in
     # the graph. The gradients are the same numbers.
     weight = torch.full((), 1.0 / run.grad_accum, device=run.dist.device)
+    copies = run.bf16_weights.refresh() if run.bf16_weights is not None else None  # after the last optimizer step
     for micro in range(run.grad_accum):
         if run.cudagraphs:  # each micro-step is a new replay; the last one's outputs are consumed
             torch.compiler.cudagraph_mark_step_begin()
@@ -334,7 +336,7 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
             x, y = (t.to(run.dist.device) for t in split_window(run.injector.windows(step, micro, x.size(0))))
         # The backward too runs inside: FSDP2 decides at its end whether to reduce-scatter.
         with D.maybe_no_sync(run.model, sync=micro == run.grad_accum - 1):
-            loss = forward_backward(run, run.model, x, y, weight)
+            loss = forward_backward(run, run.model, x, y, weight, copies)
         total += loss.detach()
         # A single process can stop between micro-steps; ranks of a group agree once per step
         # (stopping alone mid-accumulation would leave the others waiting in an all-reduce).
@@ -346,11 +348,12 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
 
 
 def forward_backward(run: Run, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                     weight: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's loss, and its backward scaled by `weight` (1 / grad_accum). The warm-up
-    calls this too: the same call is the same compiled graph, forward and backward."""
+                     weight: torch.Tensor, copies: dict[str, Any] | None) -> torch.Tensor:
+    """One micro-batch's loss, and its backward scaled by `weight` (1 / grad_accum); `copies`, the
+    step's bf16 weights when the run takes them once per step. The warm-up calls this too: the
+    same call is the same compiled graph, forward and backward."""
     with run.autocast():
-        loss = model(x, y)
+        loss = model(x, y) if copies is None else model(x, y, copies)
     with run.backward_context():
         loss.backward(weight)
     return loss
@@ -926,8 +929,9 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
         try:
             # Compiled autograd compiles a second graph for a backward that adds into existing
             # gradients: run that one here too, so that a failure falls back now, not mid-run.
+            copies = run.bf16_weights.refresh() if run.bf16_weights is not None else None
             for _ in range(1 if run.backward_context is contextlib.nullcontext else 2):
-                forward_backward(run, model, x, y, weight)
+                forward_backward(run, model, x, y, weight, copies)
             failed = 0
         except torch.cuda.OutOfMemoryError:
             failed = 2
@@ -1136,6 +1140,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
     run.previous_heartbeat = previous_heartbeat
+    run.bf16_weights = bf16_weights(cfg, d, raw)
     if loaded is not None:
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
     warm_up(run, compile_choice(cfg, Path(cfg.checkpoint.dir), previous_heartbeat), Path(cfg.checkpoint.dir))
@@ -1143,6 +1148,19 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     run.compiles = CompileWatch()
     sink.heartbeat.beat(state.step, "training")
     return run
+
+
+def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights | None:
+    """The step's bf16 weights, cast once per optimizer step (train.weight_casts=per-step), where
+    they replace autocast's casts exactly: bf16-mixed, one process (FSDP2 holds shards, DDP's
+    hooks were not measured with it), no float8 (torchao casts its own weights)."""
+    if cfg.train.weight_casts != "per-step" or cfg.train.precision != "bf16-mixed":
+        return None
+    if d.enabled or cfg.train.float8 != "off":
+        log.info("train.weight_casts=per-step applies to one process without float8: casting at each micro-step")
+        return None
+    log.info("bf16 weights: cast once per optimizer step, shared by its %d micro-steps", cfg.grad_accum(d.world_size))
+    return Bf16Weights(model, torch.bfloat16)
 
 
 def use_kernels(choice: str, device: torch.device) -> bool:

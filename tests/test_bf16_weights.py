@@ -1,0 +1,100 @@
+"""The step's bf16 weights (model.Bf16Weights, train.weight_casts=per-step): cast once per optimizer
+step instead of by autocast at every micro-step, with the same values and the same gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_CONFIG, run_module, train_args
+
+
+def tiny_model(kernels: bool):
+    from x1_pretrain.config import load_config
+    from x1_pretrain.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(load_config(TINY_CONFIG, []).model)
+    model.use_kernels(kernels)  # on the CPU the kernels' PyTorch paths; with them the norms fold
+    model.residual_dtype = torch.bfloat16
+    with torch.no_grad():  # norm weights away from one, so that a fold that forgot them would show
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def loss_and_grads(model, x, y, copies=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y) if copies is None else model(x, y, copies)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 50257, (2, 65), generator=g)
+    return w[:, :-1], w[:, 1:]
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["plain-path", "norms-folded"])
+def test_the_step_copies_give_autocasts_loss_and_gradients_bit_for_bit(kernels):
+    from x1_pretrain.model import Bf16Weights
+
+    model = tiny_model(kernels)
+    assert all(b.folds_norms() == kernels for b in model.layers)
+    x, y = batch(1)
+    loss, grads = loss_and_grads(model, x, y)
+    loss_c, grads_c = loss_and_grads(model, x, y, Bf16Weights(model).refresh())
+    assert torch.equal(loss, loss_c)
+    for name, g in grads.items():
+        assert g.dtype == torch.float32 and torch.equal(g, grads_c[name]), name
+
+
+def test_refresh_takes_the_weights_as_the_optimizer_step_left_them():
+    from x1_pretrain.model import Bf16Weights
+
+    model = tiny_model(True)
+    copies = Bf16Weights(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(2)
+    loss_and_grads(model, x, y, copies.refresh())
+    opt.step()
+    fresh, _ = loss_and_grads(model, x, y)
+    stale, _ = loss_and_grads(model, x, y, copies.copies)  # last step's copies: a different loss
+    assert not torch.equal(stale, fresh)
+    refreshed, _ = loss_and_grads(model, x, y, copies.refresh())
+    assert torch.equal(refreshed, fresh)
+
+
+def test_a_block_given_copies_for_the_other_path_finds_none():
+    from x1_pretrain.model import Bf16Weights
+
+    model = tiny_model(False)
+    copies = Bf16Weights(model).refresh()  # unfolded copies
+    model.use_kernels(True)  # now the blocks fold their norms: the folded product is not among them
+    x, y = batch(3)
+    with pytest.raises(KeyError, match="wqkv_folded"):
+        loss_and_grads(model, x, y, copies)
+
+
+def test_a_bf16_run_trains_the_same_weights_with_copies_per_step_as_with_autocasts_casts(tmp_path, tiny_data):
+    # Accumulation 2 (tiny config): each step's two micro-steps share one refresh, and each step's
+    # refresh follows the optimizer step before it; a stale copy would change every later weight.
+    from safetensors.torch import load_file
+
+    finals, logs = {}, {}
+    for casts in ("per-step", "per-micro-step"):
+        ckpt = tmp_path / casts
+        proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
+                          "--set", "optim.warmup_steps=2", "--set", "train.precision=bf16-mixed",
+                          "--set", f"train.weight_casts={casts}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        finals[casts], logs[casts] = load_file(ckpt / "final.safetensors"), proc.stderr
+    assert "cast once per optimizer step" in logs["per-step"]
+    assert "cast once per optimizer step" not in logs["per-micro-step"]
+    a, b = finals["per-step"], finals["per-micro-step"]
+    assert a.keys() == b.keys()
+    for name, w in a.items():
+        assert torch.equal(w, b[name]), name
