@@ -98,3 +98,23 @@ def test_a_bf16_run_trains_the_same_weights_with_copies_per_step_as_with_autocas
     assert a.keys() == b.keys()
     for name, w in a.items():
         assert torch.equal(w, b[name]), name
+
+
+@pytest.mark.parametrize(("sets", "world_size", "takes_copies"), [
+    (["train.precision=bf16-mixed"], 1, True),
+    (["train.precision=bf16-mixed", "train.weight_casts=per-micro-step"], 1, False),
+    ([], 1, False),  # fp32: no casts to replace
+    (["train.precision=bf16-mixed", "train.float8=tensorwise"], 1, False),  # torchao casts its own
+    (["train.precision=bf16-mixed", "train.compile_mode=reduce-overhead"], 1, False),  # replays copy their inputs
+    (["train.precision=bf16-mixed"], 2, False),  # under torchrun each rank casts per micro-step
+], ids=["bf16-one-process", "asked-per-micro-step", "fp32", "float8", "cuda-graphs", "two-processes"])
+def test_the_trainer_takes_copies_only_where_they_replace_autocasts_casts_exactly(sets, world_size, takes_copies):
+    from x1_pretrain.config import load_config
+    from x1_pretrain.distributed import Dist
+    from x1_pretrain.model import Bf16Weights, Transformer
+    from x1_pretrain.train import bf16_weights
+
+    cfg = load_config(TINY_CONFIG, sets)
+    dist = Dist(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
+    copies = bf16_weights(cfg, dist, Transformer(cfg.model))
+    assert isinstance(copies, Bf16Weights) if takes_copies else copies is None

@@ -341,12 +341,12 @@ class Bf16Weights:
 
         for block in model.layers:
             attn, mlp = block.attn, block.mlp
-            if block.folds_norms():
-                qkv = {"wqkv_folded": add(attn.wqkv.weight, block.attn_norm.weight),
-                       "w_gate_up_folded": add(mlp.w_gate_up.weight, block.mlp_norm.weight)}
+            if block.folds_norms():  # the two matmuls after a norm
+                after_norms = {"wqkv_folded": add(attn.wqkv.weight, block.attn_norm.weight),
+                               "w_gate_up_folded": add(mlp.w_gate_up.weight, block.mlp_norm.weight)}
             else:
-                qkv = {"wqkv": add(attn.wqkv.weight), "w_gate_up": add(mlp.w_gate_up.weight)}
-            self.copies["layers"].append({**qkv, "wo": add(attn.wo.weight), "w_down": add(mlp.w_down.weight)})
+                after_norms = {"wqkv": add(attn.wqkv.weight), "w_gate_up": add(mlp.w_gate_up.weight)}
+            self.copies["layers"].append({**after_norms, "wo": add(attn.wo.weight), "w_down": add(mlp.w_down.weight)})
         self.copies["head"] = add(model.tok_emb.weight)
 
     @torch.no_grad()

@@ -1153,11 +1153,13 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
 def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights | None:
     """The step's bf16 weights, cast once per optimizer step (train.weight_casts=per-step), where
     they replace autocast's casts exactly: bf16-mixed, one process (FSDP2 holds shards, DDP's
-    hooks were not measured with it), no float8 (torchao casts its own weights)."""
+    hooks were not measured with it), no float8 (torchao casts its own weights), and no CUDA
+    graphs (a replay copies every input that is not a parameter or buffer into its own memory)."""
     if cfg.train.weight_casts != "per-step" or cfg.train.precision != "bf16-mixed":
         return None
-    if d.enabled or cfg.train.float8 != "off":
-        log.info("train.weight_casts=per-step applies to one process without float8: casting at each micro-step")
+    if d.enabled or cfg.train.float8 != "off" or cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):
+        log.info("train.weight_casts=per-step applies to one process without float8 or CUDA graphs: "
+                 "casting at each micro-step")
         return None
     log.info("bf16 weights: cast once per optimizer step, shared by its %d micro-steps", cfg.grad_accum(d.world_size))
     return Bf16Weights(model, torch.bfloat16)
