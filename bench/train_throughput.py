@@ -82,6 +82,7 @@ VARIANTS: dict[str, dict] = {
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
     "no-norm-fold": {"patch": {"x1_pretrain.model.FOLD_NORMS": False}},  # the norms written out, as before call 35
     "casts-per-micro-step": {"sets": ["train.weight_casts=per-micro-step"]},  # autocast's casts, as before call 43
+    "grad-in-matmul": {"sets": ["train.grad_accumulation=in-matmul"]},  # weight gradients added in fp32 by their matmuls
     "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},

@@ -192,6 +192,12 @@ class TrainConfig(_Section):
         "step and shared by its micro-steps, or by autocast at every micro-step. The same values either way (one "
         "process without float8; elsewhere per micro-step)"
     )
+    grad_accumulation: Literal["autograd", "in-matmul"] = Field(
+        "autograd", description="with weight_casts=per-step, how the micro-steps' weight gradients add up: by "
+        "autograd into each .grad (a bf16 gradient per micro-step, cast and added), or in-matmul: each "
+        "weight-gradient matmul adds into an fp32 buffer itself, which becomes .grad after the step's last "
+        "micro-step (the same sums, without the bf16 rounding of each micro-step's part)"
+    )
     float8: Literal["off", "tensorwise", "rowwise"] = Field(
         "off", description="torchao float8 matmuls for the blocks' linear layers (GPUs of compute capability 8.9+: "
         "H100, H200, L4, L40S); the tied head stays bf16. Off in the 50M configs: at d_model 768 it measured "
@@ -202,6 +208,13 @@ class TrainConfig(_Section):
     @classmethod
     def _off(cls, v: object) -> object:
         return _yaml_word(v)
+
+    @model_validator(mode="after")
+    def _accumulation_needs_step_copies(self) -> TrainConfig:
+        if self.grad_accumulation == "in-matmul" and self.weight_casts != "per-step":
+            raise ValueError("grad_accumulation: in-matmul adds into the buffers of the step's bf16 weights, which "
+                             f"weight_casts={self.weight_casts} does not take; use weight_casts=per-step")
+        return self
 
     def grad_accum(self, seq_len: int, world_size: int = 1) -> int:
         per_pass = self.micro_batch_size * seq_len * world_size

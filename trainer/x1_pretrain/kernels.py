@@ -339,14 +339,14 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 class _NormedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                folded: torch.Tensor | None):
+                folded: torch.Tensor | None, acc: torch.Tensor | None):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         if folded is None:  # else the step's copy (model.Bf16Weights): the same product, taken once per step
             folded = (weight.float() * norm_weight.float()).to(dtype)
         z = x.to(dtype) @ folded.t()
         ctx.mark_non_differentiable(r)
-        ctx.save_for_backward(x, weight, norm_weight, folded, r)
+        ctx.save_for_backward(x, weight, norm_weight, folded, r, acc)
         return z, r
 
     @staticmethod
@@ -354,23 +354,74 @@ class _NormedLinear(torch.autograd.Function):
         # dz arrives already multiplied by r (the consumer's backward applied it). The loss reaches
         # x through the matmul and through r; r's gradient, sum_j dy_j z_j, equals x . (dz @ W') / r,
         # so it comes from the matmul's input gradient rather than another pass over z.
-        x, weight, norm_weight, folded, r = ctx.saved_tensors
+        x, weight, norm_weight, folded, r, acc = ctx.saved_tensors
         dx_lin = dz @ folded
-        d_folded = dz.reshape(-1, dz.size(-1)).t() @ x.reshape(-1, x.size(-1)).to(dz.dtype)
         xf, g = x.float(), dx_lin.float()
         dx = g - xf * (r * r) * (xf * g).mean(-1, keepdim=True)  # d r / d x = -r^3 x / D
+        if acc is not None:  # the folded product's gradient summed over the step in fp32, split once per step
+            wgrad_accumulate(acc, dz, x.to(dz.dtype))
+            return dx.to(x.dtype), None, None, None, None, None
+        d_folded = dz.reshape(-1, dz.size(-1)).t() @ x.reshape(-1, x.size(-1)).to(dz.dtype)
         d_folded = d_folded.float()
         d_weight, d_norm_weight = d_folded * norm_weight.float(), (d_folded * weight.float()).sum(0)
-        return dx.to(x.dtype), d_weight.to(weight.dtype), d_norm_weight.to(norm_weight.dtype), None, None
+        return dx.to(x.dtype), d_weight.to(weight.dtype), d_norm_weight.to(norm_weight.dtype), None, None, None
 
 
 def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                  folded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  folded: torch.Tensor | None = None, acc: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(z, r) with RMSNorm(x; norm_weight, eps) @ weight.T == r * z: z = x @ (weight * norm_weight).T
     in the compute dtype, r (..., 1) fp32 the norm's 1 / rms per token.
 
     r comes back as a constant to autograd, for `rope_qkv` or `swiglu` to apply as their `scale`:
     the gradient through r is computed here, which holds only if z goes to exactly one of them,
     with this r as its scale. `folded`: (weight * norm_weight) in the compute dtype, when the caller
-    took it already for this optimizer step; its gradient goes to weight and norm_weight."""
-    return _NormedLinear.apply(x, weight, norm_weight, eps, folded)
+    took it already for this optimizer step; its gradient goes to weight and norm_weight, or with
+    `acc` (fp32, weight's shape) is added into acc, from which the caller takes weight's and
+    norm_weight's gradients once per step (model.Bf16Weights.publish)."""
+    return _NormedLinear.apply(x, weight, norm_weight, eps, folded, acc)
+
+
+# ---- weight gradients added into fp32 by their matmul ----------------------------------------
+#
+# Under gradient accumulation each micro-step's weight-gradient matmul writes a bf16 gradient,
+# which a second kernel reads, casts and adds into the fp32 .grad (~2.7 ms per step at micro-batch
+# 64 on an H200, docs/PERFORMANCE.md, call 43). cuBLAS can add into an fp32 matrix itself (C fp32,
+# beta = 1), as Megatron-LM's gradient-accumulation fusion does: the bf16 gradient is never written
+# and each micro-step's sum stays in fp32.
+
+# Whether this process's torch runs the CUDA addmm with a bf16 product added into an fp32 matrix
+# in place (aten::addmm.dtype_out; some versions require the added matrix in the inputs' dtype).
+_ADDMM_INTO_FP32: bool | None = None
+
+
+def addmm_into_fp32(device: torch.device) -> bool:
+    """Whether `wgrad_accumulate` adds inside the matmul on `device` (probed once, on CUDA)."""
+    global _ADDMM_INTO_FP32
+    if device.type != "cuda":
+        return False
+    if _ADDMM_INTO_FP32 is None:
+        c = torch.zeros(8, 8, device=device)
+        a = torch.ones(16, 8, device=device, dtype=torch.bfloat16)
+        try:
+            out = torch.addmm(c, a.t(), a, out_dtype=torch.float32, out=c)
+            _ADDMM_INTO_FP32 = out.data_ptr() == c.data_ptr() and bool((c == 16).all())
+        except (RuntimeError, TypeError):
+            _ADDMM_INTO_FP32 = False
+    return _ADDMM_INTO_FP32
+
+
+@torch.library.custom_op("x1::wgrad_accumulate", mutates_args=("acc",))
+def wgrad_accumulate(acc: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+    """acc += grad_out^T @ inp, summed in fp32: a linear layer's weight gradient (out, in) added
+    into its fp32 accumulator. grad_out (..., out) and inp (..., in) in the compute dtype."""
+    g, x = grad_out.reshape(-1, grad_out.size(-1)), inp.reshape(-1, inp.size(-1))
+    if addmm_into_fp32(acc.device):
+        torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
+    else:  # the CPU, or a torch without it: the product in fp32, then the add
+        acc.add_(g.t().float() @ x.float())
+
+
+@wgrad_accumulate.register_fake
+def _(acc, grad_out, inp) -> None:
+    return None

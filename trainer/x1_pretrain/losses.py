@@ -240,26 +240,34 @@ class _HeadLoss(torch.autograd.Function):
     over it."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
+                acc: torch.Tensor | None) -> torch.Tensor:
         loss, grad = ce_fwd_grad(h @ w.t(), targets, vocab)
-        ctx.save_for_backward(h, w, grad)
+        ctx.save_for_backward(h, w, grad, acc)
         return loss
 
     @staticmethod
     def backward(ctx, dloss: torch.Tensor):
-        h, w, grad = ctx.saved_tensors
+        h, w, grad, acc = ctx.saved_tensors
         d = dloss[:, None]
         dh = ((grad @ w) * d).to(h.dtype)
+        if acc is not None:  # the weight gradient added into the fp32 buffer by its matmul
+            from x1_pretrain.kernels import wgrad_accumulate
+
+            wgrad_accumulate(acc, grad, (h * d).to(h.dtype))
+            return dh, None, None, None, None
         dw = grad.t() @ (h * d).to(h.dtype)
-        return dh, dw, None, None
+        return dh, dw, None, None, None
 
 
-def head_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+def head_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
+                       acc: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy (fp32) of h (..., d_model) @ w.T against targets (...), padded columns of
     w excluded: the head and the loss of a training step, its backward two matmuls.
 
-    h and w go in as they are: under autocast, the caller casts them as the head's matmul would."""
-    return _HeadLoss.apply(h.reshape(-1, h.size(-1)), w, targets.reshape(-1), vocab).mean()
+    h and w go in as they are: under autocast, the caller casts them as the head's matmul would.
+    `acc`: an fp32 buffer (w's shape) to add w's gradient into, instead of returning it."""
+    return _HeadLoss.apply(h.reshape(-1, h.size(-1)), w, targets.reshape(-1), vocab, acc).mean()
 
 
 def fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:

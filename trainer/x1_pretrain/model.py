@@ -114,13 +114,44 @@ class _Bf16Copy(torch.autograd.Function):
         return grad.to(ctx.dtype), None
 
 
-def _copy(copies: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor | None:
+class _LinearIntoAcc(torch.autograd.Function):
+    """x @ copy.T whose weight gradient is added into `acc`, an fp32 buffer that `Bf16Weights`
+    turns into the weight's .grad after the step's last micro-step (`kernels.wgrad_accumulate`):
+    autograd gets no gradient for the weight."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, copy: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        x = x.to(copy.dtype)  # what autocast does to a linear layer's input
+        ctx.save_for_backward(x, copy, acc)
+        return x @ copy.t()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        from x1_pretrain.kernels import wgrad_accumulate
+
+        x, copy, acc = ctx.saved_tensors
+        wgrad_accumulate(acc, dy, x)
+        return dy @ copy, None, None
+
+
+def _copy(copies: dict[str, Any] | None, key: str) -> torch.Tensor | None:
     return None if copies is None else copies[key]
 
 
-def _linear(x: torch.Tensor, layer: nn.Linear, copy: torch.Tensor | None) -> torch.Tensor:
-    """layer(x), with the weight's bf16 copy for this optimizer step when there is one."""
-    return layer(x) if copy is None else F.linear(x, _Bf16Copy.apply(layer.weight, copy))
+def _acc(copies: dict[str, Any] | None, key: str) -> torch.Tensor | None:
+    """The fp32 buffer `key`'s weight gradient is added into, when the step accumulates that way."""
+    return None if copies is None else copies.get(key + ".acc")
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear, copies: dict[str, Any] | None, key: str) -> torch.Tensor:
+    """layer(x), with the weight's bf16 copy for this optimizer step when there is one (and its
+    gradient added into an fp32 buffer, when the step accumulates that way)."""
+    copy, acc = _copy(copies, key), _acc(copies, key)
+    if copy is None:
+        return layer(x)
+    if acc is not None:
+        return _LinearIntoAcc.apply(x, copy, acc)
+    return F.linear(x, _Bf16Copy.apply(layer.weight, copy))
 
 
 class Attention(nn.Module):
@@ -136,8 +167,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
         copies: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        qkv = _linear(x, self.wqkv, _copy(copies, "wqkv"))
-        return _linear(self.attend(qkv, cos, sin, cache, layer), self.wo, _copy(copies, "wo"))
+        qkv = _linear(x, self.wqkv, copies, "wqkv")
+        return _linear(self.attend(qkv, cos, sin, cache, layer), self.wo, copies, "wo")
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                layer: int = 0, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,7 +222,7 @@ class MLP(nn.Module):
         self.fused = False  # kernels.swiglu instead of PyTorch ops (training on CUDA)
 
     def forward(self, x: torch.Tensor, copies: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        gate_up = _linear(x, self.w_gate_up, _copy(copies, "w_gate_up"))
+        gate_up = _linear(x, self.w_gate_up, copies, "w_gate_up")
         if self.fused and FUSED_SWIGLU:
             from x1_pretrain.kernels import swiglu
 
@@ -199,7 +230,7 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up
-        return _linear(h, self.w_down, _copy(copies, "w_down"))
+        return _linear(h, self.w_down, copies, "w_down")
 
 
 class Block(nn.Module):
@@ -230,11 +261,11 @@ class Block(nn.Module):
         from x1_pretrain.kernels import normed_linear, swiglu
 
         qkv, r = normed_linear(x, self.attn.wqkv.weight, self.attn_norm.weight, self.attn_norm.eps,
-                               _copy(copies, "wqkv_folded"))
-        x = x + _linear(self.attn.attend(qkv, cos, sin, scale=r), self.attn.wo, _copy(copies, "wo"))
+                               _copy(copies, "wqkv_folded"), _acc(copies, "wqkv_folded"))
+        x = x + _linear(self.attn.attend(qkv, cos, sin, scale=r), self.attn.wo, copies, "wo")
         gate_up, r = normed_linear(x, self.mlp.w_gate_up.weight, self.mlp_norm.weight, self.mlp_norm.eps,
-                                   _copy(copies, "w_gate_up_folded"))
-        return x + _linear(swiglu(gate_up, r), self.mlp.w_down, _copy(copies, "w_down"))
+                                   _copy(copies, "w_gate_up_folded"), _acc(copies, "w_gate_up_folded"))
+        return x + _linear(swiglu(gate_up, r), self.mlp.w_down, copies, "w_down")
 
 
 class Transformer(nn.Module):
@@ -299,15 +330,20 @@ class Transformer(nn.Module):
         """Mean next-token cross-entropy in fp32. idx, targets: (B, T) int64. `copies`: the bf16
         weights of the current optimizer step (`Bf16Weights.refresh`), or None for autocast's casts."""
         h = self.hidden(idx, copies=copies)
+        # The tied head's weight: the embedding's, its step copy, or the copy alone when the head's
+        # weight gradient goes into an fp32 buffer rather than through autograd.
+        acc = _acc(copies, "head")
         w = self.tok_emb.weight if copies is None else _Bf16Copy.apply(self.tok_emb.weight, copies["head"])
+        if acc is not None:
+            w = copies["head"]
         if self.fused_loss and FUSED_HEAD_GRAD and torch.is_grad_enabled():
             from x1_pretrain.losses import head_cross_entropy
 
             if torch.is_autocast_enabled(h.device.type):  # the casts autocast gives the head's F.linear
                 dtype = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dtype), w.to(dtype)
-            return head_cross_entropy(h, w, targets, self.cfg.vocab_size)
-        logits = F.linear(h, w)  # (B, T, padded V); tied head
+            return head_cross_entropy(h, w, targets, self.cfg.vocab_size, acc)
+        logits = F.linear(h, w) if acc is None else _LinearIntoAcc.apply(h, w, acc)  # (B, T, padded V); tied head
         if self.fused_loss:
             from x1_pretrain.losses import fused_cross_entropy
 
@@ -327,35 +363,65 @@ class Bf16Weights:
     sampling and export never do), so no forward reads copies older than the weights it trains.
     Same values, same gradients: each copy's gradient reaches its fp32 weight as the cast's did.
 
+    With `accumulate`, each copy also has an fp32 buffer that its weight-gradient matmul adds into
+    at every micro-step (`kernels.wgrad_accumulate`), and `publish`, after the step's last
+    micro-step, turns the buffers into the weights' .grad: a folded product's buffer is split into
+    its weight's and its norm's gradients there, once per step; the tied head's is added to the
+    embedding's gradient, which autograd accumulates as before.
+
     Whether a block's copies are folded with its norms follows the path its forward will take
     (`Block.folds_norms`); a block that takes the other path finds no copy under its keys."""
 
-    def __init__(self, model: Transformer, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, model: Transformer, dtype: torch.dtype = torch.bfloat16, accumulate: bool = False):
         self.copies: dict[str, Any] = {"layers": []}
-        self._sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # copy, weight, norm weight
+        # copy, its weight, the norm weight folded into it (or None), its fp32 gradient buffer (or None)
+        self._sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
 
-        def add(weight: torch.Tensor, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
-            copy = torch.empty_like(weight, dtype=dtype)
-            self._sources.append((copy, weight, norm_weight))
-            return copy
+        def add(into: dict[str, Any], key: str, weight: torch.Tensor, norm_weight: torch.Tensor | None = None) -> None:
+            copy = into[key] = torch.empty_like(weight, dtype=dtype)
+            acc = None
+            if accumulate:
+                acc = into[key + ".acc"] = torch.zeros_like(weight, dtype=torch.float32)
+            self._sources.append((copy, weight, norm_weight, acc))
 
         for block in model.layers:
-            attn, mlp = block.attn, block.mlp
+            attn, mlp, mine = block.attn, block.mlp, {}
             if block.folds_norms():  # the two matmuls after a norm
-                after_norms = {"wqkv_folded": add(attn.wqkv.weight, block.attn_norm.weight),
-                               "w_gate_up_folded": add(mlp.w_gate_up.weight, block.mlp_norm.weight)}
+                add(mine, "wqkv_folded", attn.wqkv.weight, block.attn_norm.weight)
+                add(mine, "w_gate_up_folded", mlp.w_gate_up.weight, block.mlp_norm.weight)
             else:
-                after_norms = {"wqkv": add(attn.wqkv.weight), "w_gate_up": add(mlp.w_gate_up.weight)}
-            self.copies["layers"].append({**after_norms, "wo": add(attn.wo.weight), "w_down": add(mlp.w_down.weight)})
-        self.copies["head"] = add(model.tok_emb.weight)
+                add(mine, "wqkv", attn.wqkv.weight)
+                add(mine, "w_gate_up", mlp.w_gate_up.weight)
+            add(mine, "wo", attn.wo.weight)
+            add(mine, "w_down", mlp.w_down.weight)
+            self.copies["layers"].append(mine)
+        add(self.copies, "head", model.tok_emb.weight)
+        self.head_weight = model.tok_emb.weight
 
     @torch.no_grad()
     def refresh(self) -> dict[str, Any]:
-        """The copies, taken again from the weights as they are now (after the last optimizer step)."""
-        for copy, weight, norm_weight in self._sources:
+        """The copies, taken again from the weights as they are now (after the last optimizer step),
+        and the gradient buffers emptied."""
+        for copy, weight, norm_weight, acc in self._sources:
             # The fold's product in fp32, then one rounding: what normed_linear computes itself.
             copy.copy_(weight if norm_weight is None else weight.float() * norm_weight.float())
+            if acc is not None:
+                acc.zero_()
         return self.copies
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The buffers' sums as the weights' .grad, after the step's last micro-step (accumulate)."""
+        for _, weight, norm_weight, acc in self._sources:
+            if acc is None:
+                continue
+            if weight is self.head_weight:  # tied: the embedding's own gradient came through autograd
+                weight.grad = acc if weight.grad is None else weight.grad.add_(acc)
+            elif norm_weight is None:
+                weight.grad = acc
+            else:  # acc is d(loss)/d(weight * norm_weight)
+                weight.grad = acc * norm_weight
+                norm_weight.grad = (acc * weight).sum(0)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -342,6 +342,8 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
         # (stopping alone mid-accumulation would leave the others waiting in an all-reduce).
         if run.stop.requested and not run.dist.enabled:
             return total, True
+    if run.bf16_weights is not None:  # the weight gradients summed in fp32 buffers become .grad
+        run.bf16_weights.publish()
     if run.injector.active(step, run.detector):
         run.sink.log(step + 1, {"spike_injected": 1.0})
     return total / run.grad_accum, False
@@ -1161,8 +1163,16 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
         log.info("train.weight_casts=per-step applies to one process without float8 or CUDA graphs: "
                  "casting at each micro-step")
         return None
-    log.info("bf16 weights: cast once per optimizer step, shared by its %d micro-steps", cfg.grad_accum(d.world_size))
-    return Bf16Weights(model, torch.bfloat16)
+    accumulate = cfg.train.grad_accumulation == "in-matmul"
+    how = ""
+    if accumulate:
+        from x1_pretrain.kernels import addmm_into_fp32
+
+        how = ("; weight gradients added in fp32 by their matmuls" if addmm_into_fp32(d.device) else
+               "; weight gradients summed in fp32 buffers (this torch's matmul cannot add into fp32 itself: "
+               "the product in fp32, then an add)")
+    log.info("bf16 weights: cast once per optimizer step, shared by its %d micro-steps%s", cfg.grad_accum(d.world_size), how)
+    return Bf16Weights(model, torch.bfloat16, accumulate=accumulate)
 
 
 def use_kernels(choice: str, device: torch.device) -> bool:
