@@ -81,8 +81,9 @@ VARIANTS: dict[str, dict] = {
     "cublaslt": {"blas": "cublaslt"},
     "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
     "no-norm-fold": {"patch": {"x1_pretrain.model.FOLD_NORMS": False}},  # the norms written out, as before call 35
-    "casts-per-micro-step": {"sets": ["train.weight_casts=per-micro-step"]},  # autocast's casts, as before call 43
-    "grad-in-matmul": {"sets": ["train.grad_accumulation=in-matmul"]},  # weight gradients added in fp32 by their matmuls
+    # autocast's casts and autograd's accumulation, as before call 43
+    "casts-per-micro-step": {"sets": ["train.weight_casts=per-micro-step", "train.grad_accumulation=autograd"]},
+    "grad-by-autograd": {"sets": ["train.grad_accumulation=autograd"]},  # as from call 43 to call 46
     "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
     "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
     "float8": {"sets": ["train.float8=tensorwise"]},
@@ -287,6 +288,10 @@ def main() -> int:
         "matmul_peak_tflops": round(peak, 1), "flops_per_token": fpt,
     }
     result["world_size"] = run.dist.world_size
+    if cfg.train.grad_accumulation == "in-matmul":  # which path kernels.wgrad_accumulate took here
+        from x1_pretrain.kernels import addmm_into_fp32
+
+        result["wgrad_added_by_matmul"] = addmm_into_fp32(run.dist.device)
     if not run.dist.is_main:
         return 0
     print(json.dumps(result), flush=True)

@@ -48,3 +48,17 @@ def test_profile_steps_below_one_is_refused_with_exit_2_before_any_work(tmp_path
     assert proc.returncode == 2
     assert "--profile-steps must be at least 1, got 0" in proc.stderr
     assert not out.exists()
+
+
+def test_every_named_lever_is_a_valid_config_on_top_of_the_benchs_default():
+    # A lever whose overrides the config refuses would fail only on the GPU, minutes into a call.
+    import importlib.util
+
+    from x1_pretrain.config import load_config
+
+    spec = importlib.util.spec_from_file_location("train_throughput", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    default = REPO / "configs" / "x1-50m-a100.yaml"  # the bench's --config default
+    for name in module.VARIANTS:
+        load_config(default, module.resolve_variant(name)["sets"])  # raises ConfigError if refused
