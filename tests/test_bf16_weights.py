@@ -32,6 +32,15 @@ def loss_and_grads(model, x, y, copies=None) -> tuple[torch.Tensor, dict[str, to
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def bf16_run(ckpt, tiny_data, steps: int, *sets: str) -> tuple[object, str]:
+    """A bf16-mixed run of the tiny config on the CPU: (its final weights' path, its stderr)."""
+    extra = [a for s in sets for a in ("--set", s)]
+    proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=steps),
+                      "--set", "optim.warmup_steps=2", "--set", "train.precision=bf16-mixed", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ckpt / "final.safetensors", proc.stderr
+
+
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(0, 50257, (2, 65), generator=g)
@@ -86,12 +95,9 @@ def test_a_bf16_run_trains_the_same_weights_with_copies_per_step_as_with_autocas
 
     finals, logs = {}, {}
     for casts in ("per-step", "per-micro-step"):
-        ckpt = tmp_path / casts
-        proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=4),
-                          "--set", "optim.warmup_steps=2", "--set", "train.precision=bf16-mixed",
-                          "--set", f"train.weight_casts={casts}")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        finals[casts], logs[casts] = load_file(ckpt / "final.safetensors"), proc.stderr
+        final, logs[casts] = bf16_run(tmp_path / casts, tiny_data, 4, "train.grad_accumulation=autograd",
+                                      f"train.weight_casts={casts}")
+        finals[casts] = load_file(final)
     assert "cast once per optimizer step" in logs["per-step"]
     assert "cast once per optimizer step" not in logs["per-micro-step"]
     a, b = finals["per-step"], finals["per-micro-step"]
@@ -189,15 +195,10 @@ def test_a_bf16_run_that_accumulates_in_the_matmuls_learns_what_autograds_run_le
     val = torch.from_numpy(open_token_data(tiny_data, cfg.model.vocab_size).val[: 8 * 65].astype("int64")).view(8, 65)
     losses, logs = {}, {}
     for mode in ("autograd", "in-matmul"):
-        ckpt = tmp_path / mode
-        proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, f"file://{ckpt}/mlruns", total=6),
-                          "--set", "optim.warmup_steps=2", "--set", "train.precision=bf16-mixed",
-                          "--set", f"train.grad_accumulation={mode}")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        final, logs[mode] = bf16_run(tmp_path / mode, tiny_data, 6, f"train.grad_accumulation={mode}")
         model = Transformer(cfg.model)
-        model.load_state_dict(load_file(ckpt / "final.safetensors"))
+        model.load_state_dict(load_file(final))
         with torch.no_grad():
             losses[mode] = model(val[:, :-1], val[:, 1:]).item()
-        logs[mode] = proc.stderr
     assert "weight gradients" in logs["in-matmul"] and "weight gradients" not in logs["autograd"]
     assert abs(losses["in-matmul"] - losses["autograd"]) / losses["autograd"] < 0.005, losses

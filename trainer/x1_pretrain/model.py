@@ -333,8 +333,11 @@ class Transformer(nn.Module):
         # The tied head's weight: the embedding's, its step copy, or the copy alone when the head's
         # weight gradient goes into an fp32 buffer rather than through autograd.
         acc = _acc(copies, "head")
-        w = self.tok_emb.weight if copies is None else _Bf16Copy.apply(self.tok_emb.weight, copies["head"])
-        if acc is not None:
+        if copies is None:
+            w = self.tok_emb.weight
+        elif acc is None:
+            w = _Bf16Copy.apply(self.tok_emb.weight, copies["head"])
+        else:
             w = copies["head"]
         if self.fused_loss and FUSED_HEAD_GRAD and torch.is_grad_enabled():
             from x1_pretrain.losses import head_cross_entropy
