@@ -418,8 +418,8 @@ def wgrad_accumulate(acc: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tenso
     g, x = grad_out.reshape(-1, grad_out.size(-1)), inp.reshape(-1, inp.size(-1))
     if addmm_into_fp32(acc.device):
         torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
-    else:  # the CPU, or a torch without it: the product in fp32, then the add
-        acc.add_(g.t().float() @ x.float())
+    else:  # the CPU, or a torch without it: the product in the inputs' dtype, then the add, as autograd's
+        acc.add_(g.t() @ x)  # accumulation computes it (an fp32 product would cost 4 bytes per logit for the head)
 
 
 @wgrad_accumulate.register_fake

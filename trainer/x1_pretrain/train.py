@@ -1170,7 +1170,7 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
 
         how = ("; weight gradients added in fp32 by their matmuls" if addmm_into_fp32(d.device) else
                "; weight gradients summed in fp32 buffers (this torch's matmul cannot add into fp32 itself: "
-               "the product in fp32, then an add)")
+               "each product in bf16, then an add, as autograd's accumulation does)")
     log.info("bf16 weights: cast once per optimizer step, shared by its %d micro-steps%s", cfg.grad_accum(d.world_size), how)
     return Bf16Weights(model, torch.bfloat16, accumulate=accumulate)
 
