@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from x1_pretrain.kernels import triton_device, triton_ok
+from x1_pretrain.kernels import triton_device, triton_ok, wgrad_accumulate
 
 try:
     import triton
@@ -251,13 +251,11 @@ class _HeadLoss(torch.autograd.Function):
         h, w, grad, acc = ctx.saved_tensors
         d = dloss[:, None]
         dh = ((grad @ w) * d).to(h.dtype)
+        hd = (h * d).to(h.dtype)
         if acc is not None:  # the weight gradient added into the fp32 buffer by its matmul
-            from x1_pretrain.kernels import wgrad_accumulate
-
-            wgrad_accumulate(acc, grad, (h * d).to(h.dtype))
+            wgrad_accumulate(acc, grad, hd)
             return dh, None, None, None, None
-        dw = grad.t() @ (h * d).to(h.dtype)
-        return dh, dw, None, None, None
+        return dh, grad.t() @ hd, None, None, None
 
 
 def head_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,

@@ -45,6 +45,8 @@ from x1_pretrain.spikes import SpikeDetector, SpikeInjector
 
 log = logging.getLogger("x1.train")
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
+
 # MLflow statuses per exit: a stop on purpose is KILLED, a failure FAILED.
 MLFLOW_STATUS = {0: "FINISHED", 75: "KILLED", 76: "KILLED", 77: "KILLED", 79: "FAILED"}
 # Exits after which nothing more will train (--run-dir writes the run folder after these).
@@ -956,7 +958,7 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
             torch.cuda.empty_cache()
             continue
         break
-    run.cudagraphs = mode in ("reduce-overhead", "max-autotune")
+    run.cudagraphs = mode in CUDA_GRAPH_MODES
     if run.cudagraphs:  # see the loop's zero_grad
         for p in raw.parameters():
             p.grad = torch.zeros_like(p)
@@ -1159,7 +1161,7 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
     graphs (a replay copies every input that is not a parameter or buffer into its own memory)."""
     if cfg.train.weight_casts != "per-step" or cfg.train.precision != "bf16-mixed":
         return None
-    if d.enabled or cfg.train.float8 != "off" or cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):
+    if d.enabled or cfg.train.float8 != "off" or cfg.train.compile_mode in CUDA_GRAPH_MODES:
         log.info("train.weight_casts=per-step applies to one process without float8 or CUDA graphs: "
                  "casting at each micro-step")
         return None
