@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the plain reference and our training step, side by side, on the same GPU.
 #   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized VARIANTS="plain padded shipped" [PROFILE_VARIANTS="shipped"] [REFERENCE_AFTER=1] [PATCH=MODULE.ATTR=JSON] bash bench/gpu_run.sh
+# A variant written NAME@MODULE.ATTR=JSON[@MODULE.ATTR=JSON...] runs the lever NAME with those module switches too
+# (PATCH sets one for every variant).
 # Writes reference.txt, ours.jsonl, variants.txt (each run's whole output), smi.csv (clock and power
 # every second) and table.md under $OUT (default ./bench-out). REFERENCE_AFTER=1 runs the reference
 # again after ours (reference-after.txt), to check that the reference, timed first, does not meet a
@@ -23,7 +25,11 @@ python3 "$REFERENCE" 2>&1 | tee "$OUT/reference.txt"
 PEAK=$(sed -n 's/.*ceilings: matmul \([0-9]*\) TFLOP.*/\1/p' "$OUT/reference.txt")
 for v in $VARIANTS; do
   loop=0; [ "$v" = "$LOOP_VARIANT" ] && loop=${LOOP_STEPS:-30}
-  timeout "${VARIANT_TIMEOUT:-300}" python3 bench/train_throughput.py --variant "$v" --data-dir "$DATA" --steps "${STEPS:-8}" --loop-steps "$loop" \
+  # NAME@MODULE.ATTR=JSON[@...]: the lever NAME with more module switches, reported under the whole string
+  own=(); IFS=@ read -ra parts <<< "$v"
+  for p in "${parts[@]:1}"; do own+=(--patch "$p"); done
+  [ ${#parts[@]} -gt 1 ] && own+=(--name "$v")
+  timeout "${VARIANT_TIMEOUT:-300}" python3 bench/train_throughput.py --variant "${v%%@*}" "${own[@]}" --data-dir "$DATA" --steps "${STEPS:-8}" --loop-steps "$loop" \
       ${PEAK:+--peak-tflops $PEAK} ${PATCH:+--patch "$PATCH"} --json "$OUT/ours.jsonl" $([[ " ${PROFILE_VARIANTS:-} " == *" $v "* ]] && echo --profile) \
       2>&1 | grep -v "^preflight" | tee -a "$OUT/variants.txt" | tail -45
 done

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from x1_pretrain.kernels import triton_device, triton_ok, wgrad_accumulate
+from x1_pretrain.kernels import mm_rows, triton_device, triton_ok, wgrad_accumulate
 
 try:
     import triton
@@ -31,6 +31,9 @@ BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 # The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
 # programs per SM (see _ce_fwd_grad_kernel for why so few).
 GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
+# The head's input gradient asked this many rows of the logits' gradient at a time (0: one
+# matmul); kernels.mm_rows says why, bench/dgrad_rows.py times the choices on a GPU.
+HEAD_DGRAD_ROWS = 0
 
 
 if triton is not None:
@@ -250,7 +253,7 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, dloss: torch.Tensor):
         h, w, grad, acc = ctx.saved_tensors
         d = dloss[:, None]
-        dh = ((grad @ w) * d).to(h.dtype)
+        dh = ((grad @ w if HEAD_DGRAD_ROWS <= 0 else mm_rows(grad, w, HEAD_DGRAD_ROWS)) * d).to(h.dtype)
         hd = (h * d).to(h.dtype)
         if acc is not None:  # the weight gradient added into the fp32 buffer by its matmul
             wgrad_accumulate(acc, grad, hd)
