@@ -1,5 +1,6 @@
-"""The input gradients whose output is 768 wide (the head's, wqkv's, w_gate_up's, wo's), asked as
-one matmul and as launches of a few thousand rows (`kernels.mm_rows`), timed alone on a CUDA GPU.
+"""The head's forward, and the input gradients whose output is 768 wide (the head's, wqkv's,
+w_gate_up's, wo's), asked as one matmul and as launches of a few thousand rows (`kernels.mm_rows`),
+timed alone on a CUDA GPU.
 
 Each way runs back to back for --seconds, so the GPU settles at the clock its power cap allows,
 and the GPU's energy counter is read around it. The operands are shaped like the step's, not
@@ -11,8 +12,9 @@ randn: docs/PERFORMANCE.md, calls 28 and 36).
     python bench/dgrad_rows.py --once ROWS     # the head's one launch each way, for a profiler:
     ncu --metrics dram__bytes_read.sum,gpu__time_duration.sum -k regex:nvjet python bench/dgrad_rows.py --once 6336
 
---best writes the fastest row count of the head's and of the folded matmuls' input gradients
-as JSON ({"head": rows, "normed": rows}; 0 where one matmul is fastest, or not 1% slower).
+--best writes the fastest row counts as JSON ({"head_fwd": rows, "head": rows, "normed": rows}:
+the head's forward, its input gradient, the folded matmuls' input gradients; 0 where one matmul is
+fastest, or not 1% slower, or not timed).
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ def operands(generator: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.
 
     head_w = weight(VP, D)
     head_w[V:] = 0  # the padded rows of the tied embedding
-    return {"head": (logits_grad(TOKENS, generator), head_w),
+    hidden = torch.randn(TOKENS, D, device="cuda", generator=generator).bfloat16()  # the final norm's output
+    return {"head-fwd": (hidden, head_w.t()),  # the logits, h @ w.T
+            "head": (logits_grad(TOKENS, generator), head_w),
             "w_gate_up": (grad(2 * FF), weight(2 * FF, D)),
             "wqkv": (grad(1280), weight(1280, D)),
             "wo": (grad(D), weight(D, D))}
@@ -99,7 +103,10 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=1.0, help="how long each way runs back to back")
     p.add_argument("--json", help="append the results as JSON lines to this file")
     p.add_argument("--best", help="write the fastest row counts here as JSON")
-    p.add_argument("--once", type=int, metavar="ROWS", help="run the head's input gradient once whole and once in launches of ROWS rows, then exit")
+    p.add_argument("--once", type=int, metavar="ROWS",
+                   help="run the head's forward and input gradient once whole and once in launches of ROWS rows, then exit")
+    p.add_argument("--only", nargs="+", choices=["head-fwd", "head", "w_gate_up", "wqkv", "wo"],
+                   help="time these products alone (default: all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("dgrad_rows: needs a CUDA GPU", file=sys.stderr)
@@ -110,20 +117,25 @@ def main() -> int:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.once is not None:
-        a, b = operands(gen)["head"]
-        torch.cuda.synchronize()
-        whole, rows = a @ b, mm_rows(a, b, args.once)
-        torch.cuda.synchronize()
-        print(f"head dgrad once whole and once in {args.once}-row launches: max |difference| "
-              f"{(whole.float() - rows.float()).abs().max().item():.3g}")
+        ops = operands(gen)
+        for name in ("head-fwd", "head"):
+            a, b = ops[name]
+            torch.cuda.synchronize()
+            whole, rows = a @ b, mm_rows(a, b, args.once)
+            torch.cuda.synchronize()
+            print(f"{name} once whole and once in {args.once}-row launches: max |difference| "
+                  f"{(whole.float() - rows.float()).abs().max().item():.3g}")
+            whole = rows = None
         return 0
     gpu = torch.cuda.get_device_name()
     times: dict[str, dict] = {}
     print(f"{'input gradient':<12} {'rows per matmul':>15} {'ms':>8} {'TFLOP/s':>8} {'J':>7} {'W':>5}")
     for name, (a, b) in operands(gen).items():
+        if args.only and name not in args.only:
+            continue
         flops = 2 * a.size(0) * a.size(1) * b.size(1)
         results = {}
-        for rows in [0] + ROWS + (["swapped"] if name == "head" else []):
+        for rows in [0] + ROWS + (["swapped"] if name == "head" else []):  # the forward's swap writes other strides
             if rows == "swapped":
                 fn = lambda a=a, b=b: (b.t() @ a.t()).t()  # noqa: E731
             else:
@@ -140,8 +152,10 @@ def main() -> int:
                                         "time": time.strftime("%H:%M:%S")}) + "\n")
         times[name] = {r: ms for r, ms in results.items() if r != "swapped"}
     # The folded matmuls share one row count (kernels.NORMED_DGRAD_ROWS): the fastest for both together.
-    best = {"head": fastest_rows(times["head"]),
-            "normed": fastest_rows({r: times["wqkv"][r] + times["w_gate_up"][r] for r in times["wqkv"]})}
+    best = {"head_fwd": fastest_rows(times["head-fwd"]) if "head-fwd" in times else 0,
+            "head": fastest_rows(times["head"]) if "head" in times else 0,
+            "normed": fastest_rows({r: times["wqkv"][r] + times["w_gate_up"][r] for r in times["wqkv"]})
+            if "wqkv" in times and "w_gate_up" in times else 0}
     print(f"fastest row counts (0: one matmul): {best}")
     if args.best:
         Path(args.best).write_text(json.dumps(best))

@@ -1,6 +1,6 @@
-"""kernels.mm_rows: a matmul asked a few thousand rows at a time (the head's and the folded
-matmuls' input gradients, losses.HEAD_DGRAD_ROWS and kernels.NORMED_DGRAD_ROWS): the same product
-as one matmul, and the same gradients for the model."""
+"""kernels.mm_rows: a matmul asked a few thousand rows at a time (the head's forward and input
+gradient, the folded matmuls' input gradients: losses.HEAD_FWD_ROWS, losses.HEAD_DGRAD_ROWS,
+kernels.NORMED_DGRAD_ROWS): the same product as one matmul, and the same gradients for the model."""
 
 from __future__ import annotations
 
@@ -45,11 +45,13 @@ def test_the_models_gradients_are_the_same_with_its_input_gradients_asked_in_row
 
     monkeypatch.setattr(losses, "mm_rows", counted)
     monkeypatch.setattr(kernels, "mm_rows", counted)
+    monkeypatch.setattr(losses, "HEAD_FWD_ROWS", 41)
     monkeypatch.setattr(losses, "HEAD_DGRAD_ROWS", 37)
     monkeypatch.setattr(kernels, "NORMED_DGRAD_ROWS", 29)
     loss_r, grads_r = loss_and_grads(model, x, y)
-    # the head once, two folded matmuls per block; every one over more rows than a launch takes
-    assert sorted(r for _, r in calls) == [29] * 2 * len(model.layers) + [37]
+    # the head's forward and input gradient once each, two folded matmuls per block; every one
+    # over more rows than a launch takes
+    assert sorted(r for _, r in calls) == [29] * 2 * len(model.layers) + [37, 41]
     assert all(n > r for n, r in calls)
     assert torch.equal(loss, loss_r)
     # The same products in bf16; a matmul over fewer rows may sum its long K (the head's 50304) in

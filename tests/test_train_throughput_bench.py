@@ -62,3 +62,21 @@ def test_every_named_lever_is_a_valid_config_on_top_of_the_benchs_default():
     default = REPO / "configs" / "x1-50m-a100.yaml"  # the bench's --config default
     for name in module.VARIANTS:
         load_config(default, module.resolve_variant(name)["sets"])  # raises ConfigError if refused
+
+
+def test_the_kernel_table_counts_every_kernel_copy_and_memset_of_the_trace_and_no_operator(tmp_path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_throughput", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    events = [{"cat": "kernel", "name": "gemm_a", "ts": 0, "dur": 3000}, {"cat": "kernel", "name": "gemm_a", "ts": 5000, "dur": 1000},
+              {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 7000, "dur": 2},
+              {"cat": "kernel", "name": "rope", "ts": 8000, "dur": 500},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 90000}]  # an operator: not a kernel
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    lines = module.kernel_table(trace, top=2).splitlines()
+    assert lines[1].split() == ["gemm_a", "4.000", "2", "2000.0"]
+    assert lines[2].split() == ["rope", "0.500", "1", "500.0"]
+    assert lines[-1] == "kernels listed: 4.5 ms of 4.5 ms in 3 kernels"

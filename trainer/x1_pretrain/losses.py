@@ -31,8 +31,9 @@ BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 # The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
 # programs per SM (see _ce_fwd_grad_kernel for why so few).
 GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
-# The head's input gradient asked this many rows of the logits' gradient at a time (0: one
-# matmul); kernels.mm_rows says why, bench/dgrad_rows.py times the choices on a GPU.
+# The head's forward and its input gradient asked this many rows at a time (0: one matmul);
+# kernels.mm_rows says why, bench/dgrad_rows.py times the choices on a GPU.
+HEAD_FWD_ROWS = 0
 HEAD_DGRAD_ROWS = 0
 
 
@@ -245,7 +246,8 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
                 acc: torch.Tensor | None) -> torch.Tensor:
-        loss, grad = ce_fwd_grad(h @ w.t(), targets, vocab)
+        logits = h @ w.t() if HEAD_FWD_ROWS <= 0 else mm_rows(h, w.t(), HEAD_FWD_ROWS)
+        loss, grad = ce_fwd_grad(logits, targets, vocab)
         ctx.save_for_backward(h, w, grad, acc)
         return loss
 
