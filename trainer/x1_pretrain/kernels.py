@@ -336,11 +336,6 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 # or kept for the backward (100 MB each way per norm and 65,536-token micro-batch).
 
 
-# The input gradient of a folded matmul (wqkv's, w_gate_up's) asked this many rows at a time
-# (0: one matmul); see mm_rows.
-NORMED_DGRAD_ROWS = 0
-
-
 class _NormedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -360,10 +355,7 @@ class _NormedLinear(torch.autograd.Function):
         # x through the matmul and through r; r's gradient, sum_j dy_j z_j, equals x . (dz @ W') / r,
         # so it comes from the matmul's input gradient rather than another pass over z.
         x, weight, norm_weight, folded, r, acc = ctx.saved_tensors
-        if NORMED_DGRAD_ROWS <= 0:
-            dx_lin = dz @ folded
-        else:  # its 768 outputs are four tiles wide too, as the head's input gradient (mm_rows, below)
-            dx_lin = mm_rows(dz.reshape(-1, dz.size(-1)), folded, NORMED_DGRAD_ROWS).view(*dz.shape[:-1], -1)
+        dx_lin = dz @ folded
         xf, g = x.float(), dx_lin.float()
         dx = g - xf * (r * r) * (xf * g).mean(-1, keepdim=True)  # d r / d x = -r^3 x / D
         if acc is not None:  # the folded product's gradient summed over the step in fp32, split once per step
@@ -433,31 +425,3 @@ def wgrad_accumulate(acc: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tenso
 @wgrad_accumulate.register_fake
 def _(acc, grad_out, inp) -> None:
     return None
-
-
-# ---- a matmul asked a few thousand rows at a time --------------------------------------------
-#
-# The head's input gradient, grad (N, 50304) @ w (50304, 768), has a long K and four 192-wide
-# tiles across its 768 outputs. cuBLAS orders its tiles down the rows (`nvjet_..._v_..._TNN`), so
-# the four tiles that read the same rows of grad run about a quarter of the kernel apart, and
-# those rows, 6.6 GB per micro-batch, are read from HBM up to four times. In the step it takes
-# 7.55 ms against 6.41 for the weight gradient of the same FLOPs, whose tiles are ordered across
-# (docs/PERFORMANCE.md, calls 36-43). Asked about one wave of rows at a time, all the tiles of a
-# row block run together, and grad's rows can come from L2 for the three tiles after the first.
-
-
-@torch.library.custom_op("x1::mm_rows", mutates_args=())
-def mm_rows(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
-    """a @ b for a (M, K) and b (K, N), asked `rows` rows of a per matmul (one matmul when rows
-    is 0 or at least M): each row's product is the same dot products, whatever the launch."""
-    if rows <= 0 or rows >= a.size(0):
-        return a @ b
-    out = a.new_empty(a.size(0), b.size(1))
-    for start in range(0, a.size(0), rows):
-        torch.mm(a[start : start + rows], b, out=out[start : start + rows])
-    return out
-
-
-@mm_rows.register_fake
-def _(a, b, rows):
-    return a.new_empty(a.size(0), b.size(1))

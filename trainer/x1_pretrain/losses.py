@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from x1_pretrain.kernels import mm_rows, triton_device, triton_ok, wgrad_accumulate
+from x1_pretrain.kernels import triton_device, triton_ok, wgrad_accumulate
 
 try:
     import triton
@@ -31,10 +31,6 @@ BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 # The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
 # programs per SM (see _ce_fwd_grad_kernel for why so few).
 GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
-# The head's forward and its input gradient asked this many rows at a time (0: one matmul);
-# kernels.mm_rows says why, bench/dgrad_rows.py times the choices on a GPU.
-HEAD_FWD_ROWS = 0
-HEAD_DGRAD_ROWS = 0
 
 
 if triton is not None:
@@ -246,8 +242,7 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
                 acc: torch.Tensor | None) -> torch.Tensor:
-        logits = h @ w.t() if HEAD_FWD_ROWS <= 0 else mm_rows(h, w.t(), HEAD_FWD_ROWS)
-        loss, grad = ce_fwd_grad(logits, targets, vocab)
+        loss, grad = ce_fwd_grad(h @ w.t(), targets, vocab)
         ctx.save_for_backward(h, w, grad, acc)
         return loss
 
@@ -255,7 +250,7 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, dloss: torch.Tensor):
         h, w, grad, acc = ctx.saved_tensors
         d = dloss[:, None]
-        dh = ((grad @ w if HEAD_DGRAD_ROWS <= 0 else mm_rows(grad, w, HEAD_DGRAD_ROWS)) * d).to(h.dtype)
+        dh = ((grad @ w) * d).to(h.dtype)
         hd = (h * d).to(h.dtype)
         if acc is not None:  # the weight gradient added into the fp32 buffer by its matmul
             wgrad_accumulate(acc, grad, hd)
