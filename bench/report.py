@@ -26,12 +26,15 @@ def parse_reference(text: str) -> tuple[float | None, list[dict]]:
     if m:
         peak = float(m.group(1))
     rows = []
+    # The FLOPs per token each row was counted with, printed after its tuple (rounded to 1M)
+    flops = {m.group(1): float(m.group(2)) * 1e6 for m in re.finditer(r"\('(ref-50M[^']*)'.*flops/tok=(\d+)M", text)}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 8 and cells[0].startswith("ref-50M"):
             tps = float(cells[2].rstrip("k")) * 1e3
             rows.append({"name": cells[0], "micro_batch": int(cells[1]), "tokens_per_sec": tps,
-                         "tflops": float(cells[3]), "mfu_measured": float(cells[4]), "peak_gib": float(cells[6])})
+                         "tflops": float(cells[3]), "mfu_measured": float(cells[4]), "peak_gib": float(cells[6]),
+                         "flops_per_token": flops.get(cells[0])})
     return peak, rows
 
 
@@ -63,6 +66,12 @@ def main() -> int:
             overhead = f"{o['loop_overhead_bracketed']*100:.1f}% ({overhead} vs before)"
         print(f"| ours {o['name']} | {tps/1e3:.0f}k | {ratio:.3f} | {tflops:.0f} | {tflops/peak:.3f} | {tflops/989:.3f} | "
               f"{loop} | {overhead} | {o['peak_mem_gib']} | {o['setup_and_compile_s']} |")
+    if base:
+        lo, hi = plain_bounds(base, peak)
+        print(f"\nthe reference prints rounded figures: from them its {base['name']} row lies in {lo/1e3:.1f}k-{hi/1e3:.1f}k "
+              "tokens/s, and each ratio in")
+        for o in ours:
+            print(f"| ours {o['name']} | {o['bare_tokens_per_sec'] / hi:.4f}-{o['bare_tokens_per_sec'] / lo:.4f} |")
     if args.reference_after and base:
         print(bracket_table(base, peak, *parse_reference(open(args.reference_after).read()), ours))
     if args.smi:
@@ -73,6 +82,22 @@ def main() -> int:
 def plain_row(rows: list[dict]) -> dict | None:
     """The reference's plain row (vocab 50257), the one every ratio is taken against."""
     return next((r for r in rows if r["name"].endswith("V=50257")), None)
+
+
+def plain_bounds(row: dict, peak: float | None) -> tuple[float, float]:
+    """The reference row's tokens/s as an interval. The reference prints it rounded to 1k, its
+    TFLOP/s to 1, its MFU to 0.001 of a peak rounded to 1 TFLOP/s, and the FLOPs per token that
+    link them to 1M: each figure bounds the tokens/s, and the interval is where all of them agree.
+    A ratio of 1.35 against 638k is 1.349-1.351 from the tokens/s alone."""
+    tps = row["tokens_per_sec"]
+    lo, hi = tps - 500, tps + 500
+    if flops := row.get("flops_per_token"):
+        f_lo, f_hi = flops - 0.5e6, flops + 0.5e6
+        lo, hi = max(lo, (row["tflops"] - 0.5) * 1e12 / f_hi), min(hi, (row["tflops"] + 0.5) * 1e12 / f_lo)
+        if peak:
+            lo = max(lo, (row["mfu_measured"] - 0.0005) * (peak - 0.5) * 1e12 / f_hi)
+            hi = min(hi, (row["mfu_measured"] + 0.0005) * (peak + 0.5) * 1e12 / f_lo)
+    return lo, hi
 
 
 def tflops_per_gpu(o: dict) -> float:
