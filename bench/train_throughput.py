@@ -107,12 +107,16 @@ def resolve_variant(name: str) -> dict:
     return out
 
 
-def gpu_idle(trace: Path, top: int = 10) -> dict:
-    """From a Chrome trace: the GPU's span over the profiled step, the time no kernel, copy or
-    memset ran in it, and the longest such gaps with the kernels either side."""
-    events = json.loads(trace.read_text())["traceEvents"]
-    work = sorted((e["ts"], e["ts"] + e["dur"], e["name"][:60]) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+def gpu_work(trace: Path) -> list[dict]:
+    """A Chrome trace's GPU events: its kernels, copies and memsets (not the operators that launched them)."""
+    return [e for e in json.loads(trace.read_text())["traceEvents"]
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+def gpu_idle(events: list[dict], top: int = 10) -> dict:
+    """From the GPU's events (`gpu_work`): its span over the profiled step, the time no kernel,
+    copy or memset ran in it, and the longest such gaps with the kernels either side."""
+    work = sorted((e["ts"], e["ts"] + e["dur"], e["name"][:60]) for e in events)
     gaps, idle = [], 0.0
     busy_until, last = work[0][1], work[0][2]
     for start, end, name in work[1:]:
@@ -127,17 +131,16 @@ def gpu_idle(trace: Path, top: int = 10) -> dict:
             "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
-def kernel_table(trace: Path, top: int = 60) -> str:
-    """From a Chrome trace: every GPU kernel, copy and memset by name, with its total time, calls
-    and mean, the largest first. The profiler's own table ranks operators and kernels together
-    and cuts at a row count, which left ~130 ms of a step's kernels out of the profiles before
-    call 48 (the head's input gradient among them)."""
+def kernel_table(events: list[dict], top: int = 60) -> str:
+    """From the GPU's events (`gpu_work`): every kernel, copy and memset by name, with its total
+    time, calls and mean, the largest first. The profiler's own table ranks operators and kernels
+    together and cuts at a row count, which left ~130 ms of a step's kernels out of the profiles
+    before call 48 (the head's input gradient among them)."""
     totals: dict[str, list[float]] = {}
-    for e in json.loads(trace.read_text())["traceEvents"]:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            t = totals.setdefault(e["name"][:100], [0.0, 0])
-            t[0] += e["dur"]
-            t[1] += 1
+    for e in events:
+        t = totals.setdefault(e["name"][:100], [0.0, 0])
+        t[0] += e["dur"]
+        t[1] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
     everything = sum(t for t, _ in totals.values())
     lines = [f"{'kernel':<100} {'total ms':>9} {'calls':>6} {'mean us':>9}"]
@@ -260,8 +263,9 @@ def main() -> int:
         if cuda:
             trace = Path(args.trace or work / "trace.json")
             prof.export_chrome_trace(str(trace))
-            print(kernel_table(trace), flush=True)
-            print(json.dumps({"gpu_timeline": gpu_idle(trace)}), flush=True)
+            events = gpu_work(trace)
+            print(kernel_table(events), flush=True)
+            print(json.dumps({"gpu_timeline": gpu_idle(events)}), flush=True)
         else:
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=100), flush=True)
         after = args.steps + 1 + args.profile_steps  # the first step the profile did not take

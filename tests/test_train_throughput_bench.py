@@ -77,7 +77,8 @@ def test_the_kernel_table_counts_every_kernel_copy_and_memset_of_the_trace_and_n
               {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 90000}]  # an operator: not a kernel
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    lines = bench_module().kernel_table(trace, top=2).splitlines()
+    module = bench_module()
+    lines = module.kernel_table(module.gpu_work(trace), top=2).splitlines()
     assert lines[1].split() == ["gemm_a", "4.000", "2", "2000.0"]
     assert lines[2].split() == ["rope", "0.500", "1", "500.0"]
     # the memset counts in the total though not listed; the operator's 90 ms count nowhere
