@@ -76,6 +76,12 @@ VARIANTS: dict[str, dict] = {
     "residual-bf16": {"sets": ["train.residual=bf16"]},
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
+    # the matmuls inside the compiled graphs (the forwards and input gradients; the weight gradients
+    # are opaque ops) autotuned against inductor's Triton templates, the persistent TMA ones included
+    "gemm-autotune": {"patch": {"torch._inductor.config.max_autotune_gemm": True,
+                                "torch._inductor.config.max_autotune_gemm_backends": "ATEN,TRITON",
+                                "torch._inductor.config.triton.enable_persistent_tma_matmul": True}},
+    "ce-tma": {"patch": {"x1_pretrain.losses.GRAD_KERNEL": "tma"}},  # the loss kernel's TMA build
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
@@ -150,12 +156,29 @@ def kernel_table(events: list[dict], top: int = 60) -> str:
     return "\n".join(lines)
 
 
-def apply_patches(patches: dict) -> None:
+def patch_target(dotted: str) -> tuple[object, str]:
+    """MODULE.ATTR as (the object holding ATTR, ATTR). The module is the longest prefix that
+    imports; what follows it may be dotted too (torch._inductor.config.triton.X)."""
     import importlib
 
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ModuleNotFoundError:
+            continue
+    else:
+        raise ModuleNotFoundError(f"{dotted}: no module to import in it")
+    for name in parts[cut:-1]:
+        obj = getattr(obj, name)
+    return obj, parts[-1]
+
+
+def apply_patches(patches: dict) -> None:
     for dotted, value in patches.items():
-        module, attr = dotted.rsplit(".", 1)
-        setattr(importlib.import_module(module), attr, value)
+        obj, attr = patch_target(dotted)
+        setattr(obj, attr, value)
 
 
 def set_sdpa(backend: str | None) -> None:

@@ -70,6 +70,15 @@ def test_every_named_lever_is_a_valid_config_on_top_of_the_benchs_default():
         load_config(default, module.resolve_variant(name)["sets"])  # raises ConfigError if refused
 
 
+def test_every_named_levers_module_switches_name_attributes_that_exist():
+    # A misspelt switch would be set on nothing (a new attribute) and the lever measured as the step.
+    module = bench_module()
+    for name in module.VARIANTS:
+        for dotted in module.resolve_variant(name)["patch"]:
+            obj, attr = module.patch_target(dotted)
+            assert hasattr(obj, attr), f"{name}: {dotted}"
+
+
 def test_the_kernel_table_counts_every_kernel_copy_and_memset_of_the_trace_and_no_operator(tmp_path: Path):
     events = [{"cat": "kernel", "name": "gemm_a", "ts": 0, "dur": 3000}, {"cat": "kernel", "name": "gemm_a", "ts": 5000, "dur": 1000},
               {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 7000, "dur": 200},
