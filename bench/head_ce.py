@@ -78,7 +78,7 @@ def grad_only(logits: torch.Tensor, targets: torch.Tensor, args) -> int:
         if d_loss <= 1e-5 and d_grad <= 1e-2:  # one bf16 rounding of a value below 1 at most
             best = min(best, (ms, dict(losses.TMA_LAUNCH)), key=lambda b: b[0])
     if args.best_tma and best[1] is not None:
-        Path(args.best_tma).write_text(json.dumps(best[1]))
+        Path(args.best_tma).write_text(json.dumps(best[1], separators=(",", ":")))  # one word for a shell variant
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:
