@@ -28,9 +28,6 @@ HINTS = ("evict_last", "evict_first")  # the L2 eviction hints of the two passes
 GRAD_SHAPES = [(8192, 8, 32, 2, HINTS), (8192, 8, 32, 2, ("", "")), (8192, 8, 32, 1, HINTS), (4096, 8, 16, 2, HINTS),
                (4096, 8, 16, 3, HINTS), (4096, 8, 16, 4, HINTS), (8192, 8, 16, 2, HINTS), (16384, 8, 32, 1, HINTS),
                (2048, 8, 8, 8, HINTS)]  # BLOCK, K, warps, programs per SM, hints
-# The kernel's TMA build (losses.TMA_LAUNCH): TILE, K, warps, programs per SM, stages
-TMA_SHAPES = [(8192, 8, 32, 2, 3), (8192, 8, 16, 2, 3), (8192, 8, 16, 3, 3), (8192, 8, 16, 2, 4), (8192, 8, 16, 3, 2),
-              (4096, 8, 8, 4, 4), (4096, 8, 16, 2, 4), (16384, 8, 32, 1, 3), (8192, 8, 32, 1, 4)]
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -46,55 +43,11 @@ def time_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def grad_only(logits: torch.Tensor, targets: torch.Tensor, args) -> int:
-    """The pointer build as shipped, then the TMA build at each launch shape: ms, TB/s (one read and
-    one write of the logits), and the largest difference from the pointer build's loss and gradient."""
-    from x1_pretrain import losses
-
-    gb = 2 * logits.numel() * logits.element_size() / 1e9
-    losses.GRAD_KERNEL = "pointer"
-    ref_loss, ref_grad = losses.ce_fwd_grad(logits, targets, V)
-    ms = time_ms(lambda: losses.ce_fwd_grad(logits, targets, V))
-    rows = [{"what": f"forward + gradient, pointer build {losses.GRAD_LAUNCH}", "ms": round(ms, 3),
-             "TB_per_s": round(gb / ms, 2)}]
-    print(f"{rows[0]['what']:<90} {ms:8.3f} ms  {gb / ms:5.2f} TB/s", flush=True)
-    losses.GRAD_KERNEL = "tma"
-    best = (float("inf"), None)
-    for tile, k, warps, per_sm, stages in TMA_SHAPES:
-        losses.TMA_LAUNCH = {"TILE": tile, "K": k, "num_warps": warps, "PER_SM": per_sm, "STAGES": stages}
-        try:
-            loss, grad = losses.ce_fwd_grad(logits, targets, V)
-            ms = time_ms(lambda: losses.ce_fwd_grad(logits, targets, V))
-        except Exception as e:  # a launch that does not fit (shared memory, registers): its row says why
-            print(f"TMA build {losses.TMA_LAUNCH}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        d_loss = (loss - ref_loss).abs().max().item()
-        d_grad = (grad.float() - ref_grad.float()).abs().max().item()
-        row = {"what": f"forward + gradient, TMA build {losses.TMA_LAUNCH}", "ms": round(ms, 3),
-               "TB_per_s": round(gb / ms, 2), "max_loss_diff": d_loss, "max_grad_diff": d_grad}
-        rows.append(row)
-        print(f"{row['what']:<90} {ms:8.3f} ms  {gb / ms:5.2f} TB/s  loss diff {d_loss:.2e}  grad diff {d_grad:.2e}",
-              flush=True)
-        if d_loss <= 1e-5 and d_grad <= 1e-2:  # one bf16 rounding of a value below 1 at most
-            best = min(best, (ms, dict(losses.TMA_LAUNCH)), key=lambda b: b[0])
-    if args.best_tma and best[1] is not None:
-        Path(args.best_tma).write_text(json.dumps(best[1], separators=(",", ":")))  # one word for a shell variant
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps({"gpu": torch.cuda.get_device_name(), **r}) + "\n")
-    return 0
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="append the results as JSON lines to this file")
     p.add_argument("--best", help="write the fastest forward-and-gradient launch here, as losses.GRAD_LAUNCH's JSON "
                                   "(bench/train_throughput.py --patch x1_pretrain.losses.GRAD_LAUNCH=...)")
-    p.add_argument("--grad-only", action="store_true",
-                   help="only the forward-and-gradient kernel: its pointer build as shipped against its TMA build at "
-                        "each of TMA_SHAPES, each checked against the pointer build's loss and gradient")
-    p.add_argument("--best-tma", help="write the fastest TMA launch here, as losses.TMA_LAUNCH's JSON")
     p.add_argument("--once", action="store_true",
                    help="only launch the forward-and-gradient kernel, then the forward kernel, once each (for a profiler: "
                         "ncu -k regex:_ce_fwd python bench/head_ce.py --once)")
@@ -112,8 +65,6 @@ def main() -> int:
         losses.ce_fwd(logits, targets, V)
         torch.cuda.synchronize()
         return 0
-    if args.grad_only:
-        return grad_only(logits, targets, args)
     dloss = torch.full((N,), 1.0 / N, device="cuda")
     _, lse = losses.ce_fwd(logits, targets, V)
     gb = logits.numel() * logits.element_size() / 1e9  # one read or one write of the logits

@@ -76,12 +76,6 @@ VARIANTS: dict[str, dict] = {
     "residual-bf16": {"sets": ["train.residual=bf16"]},
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
-    # the matmuls inside the compiled graphs (the forwards and input gradients; the weight gradients
-    # are opaque ops) autotuned against inductor's Triton templates, the persistent TMA ones included
-    "gemm-autotune": {"patch": {"torch._inductor.config.max_autotune_gemm": True,
-                                "torch._inductor.config.max_autotune_gemm_backends": "ATEN,TRITON",
-                                "torch._inductor.config.triton.enable_persistent_tma_matmul": True}},
-    "ce-tma": {"patch": {"x1_pretrain.losses.GRAD_KERNEL": "tma"}},  # the loss kernel's TMA build
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
     "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
@@ -178,6 +172,8 @@ def patch_target(dotted: str) -> tuple[object, str]:
 def apply_patches(patches: dict) -> None:
     for dotted, value in patches.items():
         obj, attr = patch_target(dotted)
+        if not hasattr(obj, attr):  # a misspelt switch would be set on nothing and the lever timed as the step
+            raise AttributeError(f"--patch {dotted}: {attr} is not there to switch")
         setattr(obj, attr, value)
 
 

@@ -106,45 +106,6 @@ def test_the_forward_and_gradient_kernel_on_bf16_logits_matches_the_two_kernels_
     assert grad[:, vocab:].abs().max() == 0
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="the Triton kernels need a GPU or the interpreter")
-@pytest.mark.parametrize(("vocab", "padded"), [(9000, 9024), (8192, 8256), (16383, 16384)],
-                         ids=["last-tile-partial", "padding-alone-in-the-last-tile", "no-padding"])
-def test_the_forward_and_gradient_kernels_tma_build_matches_its_pointer_build(vocab, padded, monkeypatch):
-    # Rows of 64-wide sub-rows (9024 is not a multiple of 128), tiles of 4096 columns: whole tiles,
-    # then one the descriptor clips at the row's end; the target's p - 1 written after the kernel,
-    # in the last column too (the tile the kernel masks).
-    from x1_pretrain import losses
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(7)
-    logits = (torch.randn(5, padded, device=device) * 4).bfloat16()
-    targets = torch.randint(0, vocab, (5,), device=device)
-    targets[0], targets[1] = vocab - 1, 0
-    ref_loss, ref_grad = losses.ce_fwd_grad(logits, targets, vocab)
-    monkeypatch.setattr(losses, "GRAD_KERNEL", "tma")
-    monkeypatch.setattr(losses, "TMA_LAUNCH", {"TILE": 4096, "K": 8, "num_warps": 4, "PER_SM": 1, "STAGES": 2})
-    assert losses.tma_fits(logits, vocab)
-    loss, grad = losses.ce_fwd_grad(logits, targets, vocab)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    # equal but for the targets' p - 1, which the interpreter's bf16 cast rounds toward zero and torch's to nearest
-    assert (grad.float() - ref_grad.float()).abs().max() <= 2**-8
-    rows = torch.arange(5, device=device)
-    assert torch.equal(grad.index_put((rows, targets), torch.zeros(5, device=device, dtype=grad.dtype)),
-                       ref_grad.index_put((rows, targets), torch.zeros(5, device=device, dtype=grad.dtype)))
-    if padded > vocab:
-        assert grad[:, vocab:].abs().max() == 0
-    assert (grad[rows, targets] < 0).all()
-
-
-def test_the_tma_build_is_not_used_where_padded_columns_would_spill_past_its_last_tile(monkeypatch):
-    from x1_pretrain import losses
-
-    monkeypatch.setattr(losses, "TMA_LAUNCH", {"TILE": 4096, "K": 8, "num_warps": 4, "PER_SM": 1, "STAGES": 2})
-    assert not losses.tma_fits(torch.empty(2, 8256, dtype=torch.bfloat16), 8191)  # columns 8191..8255 in two tiles
-    assert not losses.tma_fits(torch.empty(2, 9000, dtype=torch.bfloat16), 8999)  # not a multiple of 64 wide
-    assert losses.tma_fits(torch.empty(2, 50304, dtype=torch.bfloat16), 50257) is (losses.TensorDescriptor is not None)
-
-
 def test_model_loss_is_the_same_with_the_fused_path():
     from conftest import TINY_CONFIG
     from x1_pretrain.config import load_config

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, TINY_CONFIG, cli_env
 
 BENCH = REPO / "bench" / "train_throughput.py"
@@ -77,6 +79,16 @@ def test_every_named_levers_module_switches_name_attributes_that_exist():
         for dotted in module.resolve_variant(name)["patch"]:
             obj, attr = module.patch_target(dotted)
             assert hasattr(obj, attr), f"{name}: {dotted}"
+
+
+def test_a_module_switch_reaches_attributes_below_a_module_and_refuses_a_misspelt_one():
+    import torch._inductor.config as inductor_config
+
+    module = bench_module()
+    assert module.patch_target("torch._inductor.config.triton.cudagraphs") == (inductor_config.triton, "cudagraphs")
+    with pytest.raises(AttributeError, match="max_autotune_gemm_typo"):
+        module.apply_patches({"torch._inductor.config.max_autotune_gemm_typo": True})
+    assert not hasattr(inductor_config, "max_autotune_gemm_typo")
 
 
 def test_the_kernel_table_counts_every_kernel_copy_and_memset_of_the_trace_and_no_operator(tmp_path: Path):

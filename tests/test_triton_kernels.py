@@ -48,7 +48,6 @@ def _launch(shape: dict, **constants) -> tuple[dict, int]:
 ROPE = _launch(kernels.ROPE_LAUNCH, H=12, HKV=4, HD=64, HAS_SCALE=True)
 SWIGLU = _launch(kernels.SWIGLU_LAUNCH, F_=2048, HAS_SCALE=True)
 SCALE = {"scale_ptr": "*fp32"}
-TMA_TILE = f"tensordesc<bf16[1,{losses.TMA_LAUNCH['TILE'] // 128},128]>"  # one tile of a row of 50304 = 393 x 128
 LAUNCHES = [
     (kernels._rope_fwd_kernel, _sig("qkv_ptr cos_ptr sin_ptr q_ptr k_ptr v_ptr scale_ptr N T",
                                     {"qkv_ptr": P, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": P, "k_ptr": P, "v_ptr": P,
@@ -71,11 +70,6 @@ LAUNCHES = [
                                       {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32",
                                        "lse_ptr": "*fp32"}),
      _launch({k: v for k, v in losses.GRAD_LAUNCH.items() if k != "PER_SM"})),
-    (losses._ce_fwd_grad_tma_kernel, _sig("x_desc g_desc logits_ptr stride targets_ptr loss_ptr lse_ptr fix_ptr n_rows",
-                                          {"x_desc": TMA_TILE, "g_desc": TMA_TILE, "logits_ptr": P, "targets_ptr": "*i64",
-                                           "loss_ptr": "*fp32", "lse_ptr": "*fp32", "fix_ptr": "*fp32"}),
-     _launch({k: v for k, v in losses.TMA_LAUNCH.items() if k not in ("PER_SM", "TILE")}, V=50257,
-             BR=losses.TMA_LAUNCH["TILE"] // 128, C=128)),
 ]
 # ...and RoPE and SwiGLU without the scale, as the step runs them with model.FOLD_NORMS off.
 LAUNCHES += [(kernel, signature, ({**constants, "HAS_SCALE": False}, warps))

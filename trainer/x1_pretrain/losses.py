@@ -23,10 +23,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only torch builds have no Triton
     triton = None
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a Triton without host-side tensor descriptors
-    TensorDescriptor = None
 
 # Launch shapes (columns per iteration, as BLOCK // K lanes of K adjacent columns in the forward;
 # warps); bench/head_ce.py times these against others on a GPU.
@@ -35,9 +31,6 @@ BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 # The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
 # programs per SM (see _ce_fwd_grad_kernel for why so few).
 GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
-# Its build on the copy engine (_ce_fwd_grad_tma_kernel, Hopper and later): "pointer" or "tma".
-GRAD_KERNEL = "pointer"
-TMA_LAUNCH = {"TILE": 8192, "K": 8, "num_warps": 16, "PER_SM": 2, "STAGES": 3}
 
 
 if triton is not None:
@@ -130,47 +123,6 @@ if triton is not None:
             tl.store(out + target, (tl.exp2(x_t * LOG2E - lse * LOG2E) - 1.0).to(grad_ptr.dtype.element_ty))
 
     @triton.jit
-    def _ce_fwd_grad_tma_kernel(x_desc, g_desc, logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, fix_ptr, n_rows,
-                                V: tl.constexpr, BR: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                                STAGES: tl.constexpr):
-        # The forward-and-gradient kernel above, with the rows read and written by the copy engine
-        # (TMA) instead of one 16-byte load per thread: the logits seen as (rows, Vp / C, C), tiles
-        # of BR x C columns of one row, the last one clipped by the descriptor at the row's end.
-        # The loop's next tiles are in flight in shared memory (STAGES deep) while this one is
-        # reduced or written, without registers held for them (the pointer kernel's loads, pipelined
-        # with cp.async, took 55-64 registers per thread and ran slower, docs/PERFORMANCE.md call 41).
-        # The target's p - 1 is not written here (a TMA store is asynchronous: a later plain store to
-        # the same row could land first); its value goes to fix_ptr, and the op writes it after.
-        TILE: tl.constexpr = BR * C
-        FULL: tl.constexpr = V // TILE  # whole tiles: all real columns
-        R: tl.constexpr = TILE // K
-        LOG2E: tl.constexpr = 1.4426950408889634
-        last = FULL * TILE + tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]  # the last tile's columns
-        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row x stride > 2^31
-            target = tl.load(targets_ptr + row)
-            x_t = tl.load(logits_ptr + row * stride + target).to(tl.float32)  # used after the first pass
-            r = tl.cast(row, tl.int32)  # the descriptor's coordinates
-            m = tl.full([R], -1e30, tl.float32)  # finite: -inf - -inf would be NaN
-            s = tl.zeros([R], tl.float32)
-            for i in tl.range(0, FULL, num_stages=STAGES):
-                m, s = _lanes_update(x_desc.load([r, i * BR, 0]).reshape(R, K).to(tl.float32), m, s)
-            x = x_desc.load([r, FULL * BR, 0]).reshape(R, K).to(tl.float32)
-            x = tl.where(last < V, x, float("-inf"))  # padded columns and clipped rows: probability exactly 0
-            m, s = _lanes_update(x, m, s)
-            row_max = tl.max(m, 0)
-            lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
-            p = tl.exp2(x * LOG2E - lse * LOG2E)
-            g_desc.store([r, FULL * BR, 0], p.to(g_desc.dtype).reshape(1, BR, C))
-            for j in tl.range(0, FULL, num_stages=STAGES):  # back from the last tile: the newest in L2
-                i = FULL - 1 - j
-                x = x_desc.load([r, i * BR, 0]).reshape(R, K).to(tl.float32)
-                p = tl.exp2(x * LOG2E - lse * LOG2E)
-                g_desc.store([r, i * BR, 0], p.to(g_desc.dtype).reshape(1, BR, C))
-            tl.store(loss_ptr + row, lse - x_t)
-            tl.store(lse_ptr + row, lse)
-            tl.store(fix_ptr + row, tl.exp2(x_t * LOG2E - lse * LOG2E) - 1.0)
-
-    @triton.jit
     def _ce_bwd_kernel(logits_ptr, stride, grad_ptr, targets_ptr, lse_ptr, dloss_ptr, V, Vp, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -251,11 +203,11 @@ def _backward(ctx, dloss: torch.Tensor, dlse: torch.Tensor):
 ce_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def grad_programs(device: torch.device, per_sm: int) -> int:
-    """How many programs a persistent forward-and-gradient kernel runs."""
+def grad_programs(device: torch.device) -> int:
+    """How many programs the persistent forward-and-gradient kernel runs."""
     if device.type != "cuda":
         return 3  # the interpreter: a few programs, each looping over several rows
-    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    return torch.cuda.get_device_properties(device).multi_processor_count * GRAD_LAUNCH["PER_SM"]
 
 
 @torch.library.custom_op("x1::ce_fwd_grad", mutates_args=())
@@ -269,36 +221,10 @@ def ce_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tupl
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
     grad = torch.empty_like(logits)
-    if GRAD_KERNEL == "tma" and tma_fits(logits, vocab):
-        _fwd_grad_tma(logits, targets, vocab, loss, lse, grad)
-        return loss, grad
     launch = {k: v for k, v in GRAD_LAUNCH.items() if k != "PER_SM"}
-    _ce_fwd_grad_kernel[(min(n, grad_programs(logits.device, GRAD_LAUNCH["PER_SM"])),)](logits, logits.stride(0), grad, targets, loss, lse, n,
+    _ce_fwd_grad_kernel[(min(n, grad_programs(logits.device)),)](logits, logits.stride(0), grad, targets, loss, lse, n,
                                                                  vocab, logits.size(1), **launch)
     return loss, grad
-
-
-def tma_fits(logits: torch.Tensor, vocab: int) -> bool:
-    """Whether the TMA build can take these logits: a GPU with the copy engine (Hopper or later; the
-    interpreter too), rows a multiple of 64 columns wide (the descriptor's view), their padded
-    columns all in the tile that holds the last real one."""
-    tile, vp = TMA_LAUNCH["TILE"], logits.size(1)
-    engine = logits.device.type != "cuda" or torch.cuda.get_device_capability(logits.device)[0] >= 9
-    return (TensorDescriptor is not None and engine and logits.is_contiguous() and vp % 64 == 0
-            and vp <= (vocab // tile + 1) * tile)
-
-
-def _fwd_grad_tma(logits: torch.Tensor, targets: torch.Tensor, vocab: int, loss: torch.Tensor, lse: torch.Tensor,
-                  grad: torch.Tensor) -> None:
-    n, vp = logits.shape
-    launch = dict(TMA_LAUNCH)
-    tile, per_sm = launch.pop("TILE"), launch.pop("PER_SM")
-    c = 128 if vp % 128 == 0 else 64
-    view = ([n, vp // c, c], [vp, c, 1], [1, tile // c, c])  # (rows, Vp / C, C), tiles of one row
-    fix = torch.empty_like(loss)
-    _ce_fwd_grad_tma_kernel[(min(n, grad_programs(logits.device, per_sm)),)](TensorDescriptor(logits, *view), TensorDescriptor(grad, *view), logits,
-                                                 vp, targets, loss, lse, fix, n, V=vocab, BR=tile // c, C=c, **launch)
-    grad.scatter_(1, targets[:, None], fix[:, None].to(grad.dtype))  # softmax - onehot at each row's target
 
 
 @ce_fwd_grad.register_fake
