@@ -152,29 +152,31 @@ def kernel_table(events: list[dict], top: int = 60) -> str:
 
 def patch_target(dotted: str) -> tuple[object, str]:
     """MODULE.ATTR as (the object holding ATTR, ATTR). The module is the longest prefix that
-    imports; what follows it may be dotted too (torch._inductor.config.triton.X)."""
+    imports; what follows it may be dotted too (torch._inductor.config.triton.X). An ATTR that is
+    not there is refused: a misspelt switch would be set on nothing and the lever timed as the step."""
     import importlib
 
     parts = dotted.split(".")
     for cut in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:cut])
         try:
-            obj = importlib.import_module(".".join(parts[:cut]))
+            obj = importlib.import_module(name)
             break
-        except ModuleNotFoundError:
-            continue
+        except ModuleNotFoundError as e:
+            if e.name is None or not name.startswith(e.name):  # a module that is there failed its own imports
+                raise
     else:
         raise ModuleNotFoundError(f"{dotted}: no module to import in it")
     for name in parts[cut:-1]:
         obj = getattr(obj, name)
+    if not hasattr(obj, parts[-1]):
+        raise AttributeError(f"--patch {dotted}: {parts[-1]} is not there to switch")
     return obj, parts[-1]
 
 
 def apply_patches(patches: dict) -> None:
     for dotted, value in patches.items():
-        obj, attr = patch_target(dotted)
-        if not hasattr(obj, attr):  # a misspelt switch would be set on nothing and the lever timed as the step
-            raise AttributeError(f"--patch {dotted}: {attr} is not there to switch")
-        setattr(obj, attr, value)
+        setattr(*patch_target(dotted), value)
 
 
 def set_sdpa(backend: str | None) -> None:

@@ -77,7 +77,7 @@ def test_every_named_levers_module_switches_name_attributes_that_exist():
     module = bench_module()
     for name in module.VARIANTS:
         for dotted in module.resolve_variant(name)["patch"]:
-            obj, attr = module.patch_target(dotted)
+            obj, attr = module.patch_target(dotted)  # raises AttributeError if it is not there
             assert hasattr(obj, attr), f"{name}: {dotted}"
 
 
