@@ -51,6 +51,7 @@ def main() -> int:
     p.add_argument("--once", action="store_true",
                    help="only launch the forward-and-gradient kernel, then the forward kernel, once each (for a profiler: "
                         "ncu -k regex:_ce_fwd python bench/head_ce.py --once)")
+    p.add_argument("--grad-only", action="store_true", help="only the forward-and-gradient kernels' launches")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("head_ce: needs a CUDA GPU", file=sys.stderr)
@@ -69,20 +70,20 @@ def main() -> int:
     _, lse = losses.ce_fwd(logits, targets, V)
     gb = logits.numel() * logits.element_size() / 1e9  # one read or one write of the logits
     rows = []
-    for what, fn, passes in (
+    for what, fn, passes in () if args.grad_only else (
         ("kernel: forward (loss, logsumexp)", lambda: losses.ce_fwd(logits, targets, V), 1),
         ("kernel: backward (gradient)", lambda: losses.ce_bwd(logits, targets, lse, dloss, V), 2),
     ):
         ms = time_ms(fn)
         rows.append({"what": what, "ms": round(ms, 3), "TB_per_s": round(passes * gb / ms, 2)})
     loss = torch.empty(N, device="cuda")
-    for block, k, warps in FWD_SHAPES:  # the kernels' other launch shapes
+    for block, k, warps in [] if args.grad_only else FWD_SHAPES:  # the kernels' other launch shapes
         ms = time_ms(lambda b=block, k=k, w=warps: losses._ce_fwd_kernel[(N,)](logits, VP, targets, loss, lse, V, VP,
                                                                               BLOCK=b, K=k, num_warps=w))
         rows.append({"what": f"kernel: forward, BLOCK={block} K={k} warps={warps}", "ms": round(ms, 3),
                      "TB_per_s": round(gb / ms, 2)})
     grad = torch.empty_like(logits)
-    for block, warps in BWD_SHAPES:
+    for block, warps in [] if args.grad_only else BWD_SHAPES:
         ms = time_ms(lambda b=block, w=warps: losses._ce_bwd_kernel[(N,)](logits, VP, grad, targets, lse, dloss, V, VP,
                                                                           BLOCK=b, num_warps=w))
         rows.append({"what": f"kernel: backward, BLOCK={block} warps={warps}", "ms": round(ms, 3),
@@ -91,19 +92,25 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     best = (float("inf"), None)
     for block, k, warps, per_sm, (first, second) in GRAD_SHAPES:  # 1 read + 1 write if L2 serves the 2nd read
-        def launch(b=block, k=k, w=warps, p=per_sm, f=first, s=second):
-            return losses._ce_fwd_grad_kernel[(sms * p,)](logits, VP, grad, targets, loss, lse, N, V, VP,
-                                                          BLOCK=b, K=k, FIRST=f, SECOND=s, num_warps=w)
-        compiled = launch()
-        ms = time_ms(launch)
-        regs = f" ({getattr(compiled, 'n_regs', '?')} registers, {getattr(compiled, 'n_spills', '?')} spills)"
-        rows.append({"what": f"kernel: forward + gradient, BLOCK={block} K={k} warps={warps} per SM={per_sm} "
-                             f"hints={first or 'none'}/{second or 'none'}{regs}",
-                     "ms": round(ms, 3), "TB_per_s": round(2 * gb / ms, 2)})
-        best = min(best, (ms, {"BLOCK": block, "K": k, "num_warps": warps, "PER_SM": per_sm, "FIRST": first,
-                               "SECOND": second}), key=lambda b: b[0])
+        regs = min(255, 65536 // (per_sm * warps * 32))  # as losses.ce_fwd_grad launches them
+        for name, kernel in (("forward + gradient", losses._ce_fwd_grad_kernel),
+                             ("forward + gradient, max first", losses._ce_fwd_grad_max_first_kernel)):
+            def launch(b=block, k=k, w=warps, p=per_sm, f=first, s=second, kernel=kernel, r=regs):
+                return kernel[(sms * p,)](logits, VP, grad, targets, loss, lse, N, V, VP,
+                                          BLOCK=b, K=k, FIRST=f, SECOND=s, num_warps=w, maxnreg=r)
+            compiled = launch()
+            ms = time_ms(launch)
+            info = f" ({getattr(compiled, 'n_regs', '?')} registers, {getattr(compiled, 'n_spills', '?')} spills)"
+            rows.append({"what": f"kernel: {name}, BLOCK={block} K={k} warps={warps} per SM={per_sm} "
+                                 f"hints={first or 'none'}/{second or 'none'}{info}",
+                         "ms": round(ms, 3), "TB_per_s": round(2 * gb / ms, 2)})
+            if kernel is losses._ce_fwd_grad_kernel:
+                best = min(best, (ms, {"BLOCK": block, "K": k, "num_warps": warps, "PER_SM": per_sm, "FIRST": first,
+                                       "SECOND": second}), key=lambda b: b[0])
     if args.best:
         Path(args.best).write_text(json.dumps(best[1]))
+    if args.grad_only:
+        return _print(rows, args.json)
 
     w16 = (torch.randn(VP, D, device="cuda") * 0.05).bfloat16()
     per_wave = sms * 192 // (D // 192)  # rows of 192 x 192 tiles that fill one wave: 6336 on 132 SMs
@@ -142,13 +149,17 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
         ms = time_ms(fn, reps=10)
         rows.append({"what": what, "ms": round(ms, 3), "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
+    return _print(rows, args.json)
+
+
+def _print(rows: list[dict], json_path: str | None) -> int:
     gpu = torch.cuda.get_device_name()
     for r in rows:
         extra = "".join(f"  {r[key]} {unit}" for key, unit in (("TB_per_s", "TB/s"), ("TFLOP_per_s", "TFLOP/s"),
                                                                 ("peak_GiB", "GiB peak")) if key in r)
         print(f"{r['what']:<75} {r['ms']:8.3f} ms{extra}")
-        if args.json:
-            with open(args.json, "a") as f:
+        if json_path:
+            with open(json_path, "a") as f:
                 f.write(json.dumps({"gpu": gpu, **r}) + "\n")
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from x1_pretrain.cublaslt import lt_addmm_, lt_mm
 from x1_pretrain.kernels import triton_device, triton_ok, wgrad_accumulate
 
 try:
@@ -31,6 +32,12 @@ BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 # The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
 # programs per SM (see _ce_fwd_grad_kernel for why so few).
 GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
+# The forward-and-gradient kernel whose first pass takes only each row's max: one exponential per
+# logit, not two (_ce_fwd_grad_max_first_kernel).
+MAX_FIRST = False
+# The head's three matmuls through cuBLASLt with the algorithm timed fastest at the first call
+# (`cublaslt.py`), instead of the one the heuristic ranks first, on CUDA.
+HEAD_TUNED = False
 
 
 if triton is not None:
@@ -123,6 +130,49 @@ if triton is not None:
             tl.store(out + target, (tl.exp2(x_t * LOG2E - lse * LOG2E) - 1.0).to(grad_ptr.dtype.element_ty))
 
     @triton.jit
+    def _ce_fwd_grad_max_first_kernel(logits_ptr, stride, grad_ptr, targets_ptr, loss_ptr, scale_ptr, n_rows, V, Vp,
+                                      BLOCK: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr,
+                                      SECOND: tl.constexpr):
+        # As _ce_fwd_grad_kernel, with one exponential per element instead of two. Its first pass
+        # takes only the row's max m (no exponential); its second writes e = exp(x - m), which is in
+        # (0, 1], and sums it: s = sum(e), lse = m + log(s). The row's gradient softmax - onehot is
+        # (e - s * onehot) / s, so the kernel writes e - s * onehot and returns 1 / s per row, which
+        # the caller folds into the per-row factor it already applies to the head's matmul operands.
+        # In bf16, e and e_t - s carry the relative rounding that p and p_t - 1 carried.
+        R: tl.constexpr = BLOCK // K
+        LOG2E: tl.constexpr = 1.4426950408889634
+        offs = tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]
+        full = V // BLOCK * BLOCK  # columns in whole tiles: all real, none padded
+        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row x stride > 2^31
+            base = logits_ptr + row * stride
+            out = grad_ptr + row * stride
+            target = tl.load(targets_ptr + row)
+            x_t = tl.load(base + target).to(tl.float32)  # issued early, used after the second pass
+            m = tl.full([R], -1e30, tl.float32)  # per lane: a lane's K columns are one thread's
+            for start in range(0, full, BLOCK):
+                m = tl.maximum(m, tl.max(tl.load(base + start + offs, eviction_policy=FIRST).to(tl.float32), 1))
+            tail = full + offs  # the last tile: up to the padded width (a multiple of 16: 16-byte loads)
+            x = tl.load(base + tail, mask=tail < Vp, other=0.0, eviction_policy=FIRST).to(tl.float32)
+            x = tl.where(tail < V, x, float("-inf"))  # padded columns: e exactly 0
+            m_log2 = tl.max(tl.maximum(m, tl.max(x, 1)), 0) * LOG2E
+            e = tl.exp2(x * LOG2E - m_log2)
+            s = tl.sum(e, 1)
+            tl.store(out + tail, e.to(grad_ptr.dtype.element_ty), mask=tail < Vp, eviction_policy="evict_first")
+            for i in range(0, full // BLOCK):
+                cols = full - (i + 1) * BLOCK + offs
+                e = tl.exp2(tl.load(base + cols, eviction_policy=SECOND).to(tl.float32) * LOG2E - m_log2)
+                s += tl.sum(e, 1)
+                tl.store(out + cols, e.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
+            total = tl.sum(s, 0)
+            lse = (m_log2 + tl.log2(total)) / LOG2E
+            tl.store(loss_ptr + row, lse - x_t)
+            tl.store(scale_ptr + row, 1.0 / total)
+            # the target's column: e_t - s, once every thread's store of the row is issued (the
+            # barrier orders them within the program)
+            tl.debug_barrier()
+            tl.store(out + target, (tl.exp2(x_t * LOG2E - m_log2) - total).to(grad_ptr.dtype.element_ty))
+
+    @triton.jit
     def _ce_bwd_kernel(logits_ptr, stride, grad_ptr, targets_ptr, lse_ptr, dloss_ptr, V, Vp, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
@@ -211,47 +261,64 @@ def grad_programs(device: torch.device) -> int:
 
 
 @torch.library.custom_op("x1::ce_fwd_grad", mutates_args=())
-def ce_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss (fp32) and its gradient d loss_row / d logits = softmax - onehot (the logits'
-    dtype, 0 on padded columns), in one kernel."""
+def ce_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, vocab: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss (fp32), a gradient g (the logits' dtype, 0 on padded columns) and a per-row
+    scale (fp32), in one kernel: d loss_row / d logits = scale_row * g_row = softmax - onehot."""
+    n = logits.size(0)
     if not triton_ok(logits):
         loss, lse = _torch_fwd(logits, targets, vocab)
-        return loss, _torch_grad(logits, targets, lse, torch.ones_like(lse), vocab)
-    n = logits.size(0)
+        ones = torch.ones_like(lse)
+        return loss, _torch_grad(logits, targets, lse, ones, vocab), ones
     loss = torch.empty(n, device=logits.device, dtype=torch.float32)
-    lse = torch.empty_like(loss)
+    scale = torch.empty_like(loss)
     grad = torch.empty_like(logits)
     launch = {k: v for k, v in GRAD_LAUNCH.items() if k != "PER_SM"}
-    _ce_fwd_grad_kernel[(min(n, grad_programs(logits.device)),)](logits, logits.stride(0), grad, targets, loss, lse, n,
-                                                                 vocab, logits.size(1), **launch)
-    return loss, grad
+    # the registers per thread that let PER_SM programs share an SM's 64K (ptxas would otherwise
+    # take up to 38 for the max-first kernel at 32 warps, and fit one program per SM)
+    launch["maxnreg"] = min(255, 65536 // (GRAD_LAUNCH["PER_SM"] * GRAD_LAUNCH["num_warps"] * 32))
+    grid = (min(n, grad_programs(logits.device)),)
+    if MAX_FIRST:
+        _ce_fwd_grad_max_first_kernel[grid](logits, logits.stride(0), grad, targets, loss, scale, n, vocab,
+                                            logits.size(1), **launch)
+    else:  # scale is then 1; the kernel writes the lse there, which is not needed here
+        _ce_fwd_grad_kernel[grid](logits, logits.stride(0), grad, targets, loss, scale, n, vocab, logits.size(1),
+                                  **launch)
+        scale.fill_(1.0)
+    return loss, grad, scale
 
 
 @ce_fwd_grad.register_fake
-def _(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return logits.new_empty(logits.size(0), dtype=torch.float32), torch.empty_like(logits)
+def _(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = logits.size(0)
+    return logits.new_empty(n, dtype=torch.float32), torch.empty_like(logits), logits.new_empty(n, dtype=torch.float32)
 
 
 class _HeadLoss(torch.autograd.Function):
     """Per-row cross-entropy of the head's logits h @ w.T whose forward also computes the logits'
     gradient, so that the backward is the head's two matmuls alone. The gradient of each row's
-    loss scales that row of the logits' gradient; it is applied to the matmuls' inputs and outputs
-    (N x d_model, Vp x d_model) rather than to the N x Vp gradient, which would cost another pass
-    over it."""
+    loss, times the kernel's per-row scale, scales that row of the logits' gradient; it is applied
+    to the matmuls' inputs and outputs (N x d_model, Vp x d_model) rather than to the N x Vp
+    gradient, which would cost another pass over it."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
                 acc: torch.Tensor | None) -> torch.Tensor:
-        loss, grad = ce_fwd_grad(h @ w.t(), targets, vocab)
-        ctx.save_for_backward(h, w, grad, acc)
+        tuned = HEAD_TUNED and h.is_cuda
+        ctx.tuned = tuned
+        loss, grad, scale = ce_fwd_grad(lt_mm(h, w.t()) if tuned else h @ w.t(), targets, vocab)
+        ctx.save_for_backward(h, w, grad, scale, acc)
         return loss
 
     @staticmethod
     def backward(ctx, dloss: torch.Tensor):
-        h, w, grad, acc = ctx.saved_tensors
-        d = dloss[:, None]
-        dh = ((grad @ w) * d).to(h.dtype)
+        h, w, grad, scale, acc = ctx.saved_tensors
+        d = (dloss * scale)[:, None]
+        dh = ((lt_mm(grad, w) if ctx.tuned else grad @ w) * d).to(h.dtype)
         hd = (h * d).to(h.dtype)
+        if acc is not None and ctx.tuned:
+            lt_addmm_(acc, grad.t(), hd)
+            return dh, None, None, None, None
         if acc is not None:  # the weight gradient added into the fp32 buffer by its matmul
             wgrad_accumulate(acc, grad, hd)
             return dh, None, None, None, None

@@ -1,0 +1,87 @@
+"""Matmuls through cuBLASLt with a timed algorithm: the same products as PyTorch's, whatever the
+operands' layout and whichever candidate runs; the accumulating form adds once. The layout
+mapping is checked on the CPU; the matmuls need a CUDA GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from x1_pretrain import cublaslt, losses
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt needs a CUDA GPU")
+
+
+def test_an_operand_is_described_as_stored_row_major_or_transposed_view_and_anything_else_is_refused():
+    x = torch.empty(6, 4)
+    assert cublaslt._transposed_col_major(x) == (cublaslt._OP_N, 4, 6, 4)  # x^T, stored column-major
+    assert cublaslt._transposed_col_major(x.t()) == (cublaslt._OP_T, 4, 6, 4)  # x itself, transposed by the op
+    assert cublaslt._transposed_col_major(torch.empty(6, 8)[:, :4]) == (cublaslt._OP_N, 4, 6, 8)  # a wider row
+    with pytest.raises(ValueError, match="neither row- nor column-major"):
+        cublaslt._transposed_col_major(torch.empty(6, 8)[:, ::2])
+
+
+def test_without_a_gpu_the_tuned_matmuls_say_they_are_unavailable():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert not cublaslt.available()
+
+
+def _operands(m: int, n: int, k: int, a_t: bool, b_t: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.randn(k, m, device="cuda").bfloat16().t() if a_t else torch.randn(m, k, device="cuda").bfloat16()
+    b = torch.randn(n, k, device="cuda").bfloat16().t() if b_t else torch.randn(k, n, device="cuda").bfloat16()
+    return a, b
+
+
+@CUDA
+@pytest.mark.parametrize(("a_t", "b_t"), [(False, False), (False, True), (True, False), (True, True)])
+def test_the_tuned_matmul_is_the_product_for_every_operand_layout(a_t, b_t):
+    assert cublaslt.available()
+    torch.manual_seed(0)
+    a, b = _operands(1000, 776, 520, a_t, b_t)
+    ours = cublaslt.tuned_mm(a, b)
+    assert ours.shape == (1000, 776) and ours.is_contiguous() and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), a.float() @ b.float(), rtol=2e-2, atol=2e-2)
+    assert cublaslt.tuning(a, b), "the first call times the candidates"
+
+
+@CUDA
+def test_every_candidate_the_tuning_times_computes_the_same_product():
+    torch.manual_seed(1)
+    a, b = _operands(2048, 1280, 768, False, True)  # a block's qkv projection, as the forward asks it
+    ref = a.float() @ b.float()
+    cublaslt.tuned_mm(a, b)
+    n = len(cublaslt.tuning(a, b))
+    assert n >= 1
+    for i in range(n):
+        torch.testing.assert_close(cublaslt.tuned_mm(a, b, algo=i).float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@CUDA
+def test_the_accumulating_matmul_adds_its_product_once_in_fp32():
+    torch.manual_seed(2)
+    g = torch.randn(4096, 1000, device="cuda").bfloat16()
+    x = torch.randn(4096, 64, device="cuda").bfloat16()
+    acc = torch.randn(1000, 64, device="cuda")
+    before = acc.clone()
+    cublaslt.tuned_addmm_(acc, g.t(), x)  # the first call also tunes, into a scratch buffer
+    cublaslt.tuned_addmm_(acc, g.t(), x)
+    torch.testing.assert_close(acc, before + 2 * (g.t().float() @ x.float()), rtol=1e-4, atol=1e-2)
+
+
+@CUDA
+def test_the_head_with_tuned_matmuls_gives_the_loss_and_gradients_of_the_head_without(monkeypatch):
+    torch.manual_seed(3)
+    vocab, padded, d = 9000, 9024, 64
+    h = torch.randn(2048, d, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(padded, d, device="cuda") * 0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (2048,), device="cuda")
+    results = []
+    for tuned in (False, True):
+        monkeypatch.setattr(losses, "HEAD_TUNED", tuned)
+        acc = torch.zeros(padded, d, device="cuda")
+        loss = losses._HeadLoss.apply(h, w, targets, vocab, acc).mean()
+        (dh,) = torch.autograd.grad(loss, [h])
+        results.append((loss, dh, acc))
+    for plain, tuned in zip(*results, strict=True):
+        torch.testing.assert_close(tuned.float(), plain.float(), rtol=2e-2, atol=1e-5)
