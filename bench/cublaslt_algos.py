@@ -1,6 +1,7 @@
 """Every matmul of one 50M micro-batch (64 x 1024 tokens), timed on a CUDA GPU three ways: as
 PyTorch runs it (cuBLAS's heuristic's first algorithm), as cuBLASLt's heuristic's first through
-`x1_pretrain.cublaslt`, and at the fastest of the heuristic's `CANDIDATES` best, timed one by one.
+`x1_pretrain.cublaslt`, and as `cublaslt.tuned_mm` runs it: the fastest of PyTorch's call and the
+heuristic's `CANDIDATES` best, timed one by one ("rank" -1: PyTorch's).
 The weight gradients as the step runs them: added into an fp32 accumulator by the matmul.
 Whether any shape has an algorithm faster than the one PyTorch gets, and by how much.
 
@@ -45,16 +46,16 @@ def main() -> int:
                 acc = torch.zeros(a.size(0), b.size(1), device="cuda")
                 torch_ms = time_ms(lambda a=a, b=b, acc=acc: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc))
                 cublaslt.tuned_addmm_(acc, a, b)
-                timings = cublaslt.tuning(a, b, torch.float32)
+                _, timings = cublaslt.tuning(a, b, torch.float32)
                 first = time_ms(lambda a=a, b=b, acc=acc: cublaslt.tuned_addmm_(acc, a, b, algo=0))
                 tuned = time_ms(lambda a=a, b=b, acc=acc: cublaslt.tuned_addmm_(acc, a, b))
             else:
                 torch_ms = time_ms(lambda a=a, b=b: a @ b)
                 cublaslt.tuned_mm(a, b)
-                timings = cublaslt.tuning(a, b)
+                _, timings = cublaslt.tuning(a, b)
                 first = time_ms(lambda a=a, b=b: cublaslt.tuned_mm(a, b, algo=0))
                 tuned = time_ms(lambda a=a, b=b: cublaslt.tuned_mm(a, b))
-            rank = min(range(len(timings)), key=timings.__getitem__)
+            rank = cublaslt.chosen(a, b, torch.float32 if what == "wgrad" else None)
             count = 8 if name != "head" else 1  # per micro-batch: 8 blocks, one head
             totals["pytorch"] += count * torch_ms
             totals["tuned"] += count * min(torch_ms, tuned)

@@ -115,8 +115,12 @@ class _Plan:
     desc: _P
     layouts: tuple[_P, _P, _P]  # the stored A, the stored B (cuBLASLt's order: ours swapped), C = D
     candidates: list[_HeuristicResult]
-    chosen: int | None = None
+    chosen: int | None = None  # a candidate's rank, or PYTORCH
     timings_ms: list[float] = field(default_factory=list)  # per candidate, in the heuristic's order
+    pytorch_ms: float | None = None  # PyTorch's own call of the same product, timed beside them
+
+
+PYTORCH = -1  # the tuning's answer when PyTorch's own call (cuBLAS's first algorithm) was the fastest
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -167,6 +171,12 @@ def _plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out_align: i
 
 
 def _run(plan: _Plan, index: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, beta: float) -> None:
+    if index == PYTORCH:
+        if beta:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out=out)
+        return
     ws = _workspaces.get(out.device.index)
     if ws is None:
         ws = _workspaces[out.device.index] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=out.device)
@@ -180,8 +190,8 @@ def _run(plan: _Plan, index: int, a: torch.Tensor, b: torch.Tensor, out: torch.T
 
 
 def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, beta: float) -> int:
-    """The fastest candidate on these operands; with beta = 1 into a scratch copy of out, so that
-    the tuning's calls do not add into it."""
+    """The fastest candidate on these operands, PyTorch's own call among them; with beta = 1 into
+    a scratch copy of out, so that the tuning's calls do not add into it."""
     if plan.chosen is not None:
         return plan.chosen
     if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA graph: the heuristic's first
@@ -189,7 +199,7 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
     scratch = torch.empty_like(out)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     timings = []
-    for i in range(len(plan.candidates)):
+    for i in [PYTORCH, *range(len(plan.candidates))]:
         for _ in range(2):
             _run(plan, i, a, b, scratch, beta)
         start.record()
@@ -198,15 +208,17 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
         end.record()
         end.synchronize()
         timings.append(start.elapsed_time(end) / TIMED_CALLS)
-    plan.timings_ms = timings
-    plan.chosen = min(range(len(timings)), key=timings.__getitem__)
+    plan.pytorch_ms, plan.timings_ms = timings[0], timings[1:]
+    fastest = min(range(len(plan.timings_ms)), key=plan.timings_ms.__getitem__)
+    plan.chosen = fastest if plan.timings_ms[fastest] < plan.pytorch_ms else PYTORCH
     return plan.chosen
 
 
 def tuned_mm(a: torch.Tensor, b: torch.Tensor, *, algo: int | None = None) -> torch.Tensor:
     """a (m, k) @ b (k, n), row-major (m, n) in a's dtype. Operands row- or column-major (a
     transposed view is free). `algo`: the heuristic's candidate to run, by rank (0: its first,
-    what PyTorch runs); None: the fastest, timed at this shape's first call."""
+    what PyTorch's cuBLASLt path runs; PYTORCH: torch.mm); None: the fastest, timed at this shape's
+    first call."""
     if a.dtype != b.dtype:
         raise ValueError(f"cuBLASLt matmul: operands {a.dtype} and {b.dtype}")
     out = torch.empty(a.size(0), b.size(1), dtype=a.dtype, device=a.device)
@@ -224,9 +236,16 @@ def tuned_addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, algo: i
     _run(plan, _choose(plan, a, b, acc, 1.0) if algo is None else algo, a, b, acc, 1.0)
 
 
-def tuning(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> list[float]:
-    """The candidates' times (ms, in the heuristic's order) measured for this shape, once tuned."""
-    return _plan(a, b, out_dtype or a.dtype)[1].timings_ms
+def tuning(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> tuple[float | None, list[float]]:
+    """PyTorch's time and the candidates' times (ms, in the heuristic's order) measured for this
+    shape, once tuned."""
+    plan = _plan(a, b, out_dtype or a.dtype)[1]
+    return plan.pytorch_ms, plan.timings_ms
+
+
+def chosen(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> int | None:
+    """The candidate's rank this shape runs (PYTORCH: PyTorch's call), None before its first call."""
+    return _plan(a, b, out_dtype or a.dtype)[1].chosen
 
 
 @torch.library.custom_op("x1::lt_mm", mutates_args=())
