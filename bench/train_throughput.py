@@ -90,8 +90,8 @@ VARIANTS: dict[str, dict] = {
     "float8-rowwise": {"sets": ["train.float8=rowwise"]},
     # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding
     # parameters): where float8's saving in the matmuls can outgrow its casts. Not the reference's model.
-    "ce-max-first": {"patch": {"x1_pretrain.losses.MAX_FIRST": True}},  # one exponential per logit, not two
-    "head-tuned": {"patch": {"x1_pretrain.losses.HEAD_TUNED": True}},  # the head's matmuls at cuBLASLt's fastest
+    "ce-two-exp": {"patch": {"x1_pretrain.losses.MAX_FIRST": False}},  # the loss kernel before call 54
+    "untuned-matmuls": {"patch": {"x1_pretrain.cublaslt.ENABLED": False}},  # cuBLAS's first algorithm, always
     "wide": {"sets": ["model.d_model=2048", "model.n_head=16", "model.n_kv_head=4", "model.d_ff=5632",
                       "model.n_layer=4", "train.micro_batch_size=16"]},
 }

@@ -79,10 +79,48 @@ def test_the_head_with_tuned_matmuls_gives_the_loss_and_gradients_of_the_head_wi
     targets = torch.randint(0, vocab, (2048,), device="cuda")
     results = []
     for tuned in (False, True):
-        monkeypatch.setattr(losses, "HEAD_TUNED", tuned)
+        monkeypatch.setattr(cublaslt, "ENABLED", tuned)
         acc = torch.zeros(padded, d, device="cuda")
         loss = losses._HeadLoss.apply(h, w, targets, vocab, acc).mean()
         (dh,) = torch.autograd.grad(loss, [h])
         results.append((loss, dh, acc))
     for plain, tuned in zip(*results, strict=True):
         torch.testing.assert_close(tuned.float(), plain.float(), rtol=2e-2, atol=1e-5)
+
+
+def test_the_availability_check_compiles_into_a_graph_as_a_constant():
+    # torch.compile meets cublaslt.available() in every linear layer's forward: it must not break
+    # the graph (it loads a library through ctypes, which dynamo cannot trace).
+    f = torch.compile(lambda x: x * 2 if cublaslt.available() else x - 1, fullgraph=True, backend="eager")
+    x = torch.ones(3)
+    assert torch.equal(f(x), x * 2 if cublaslt.available() else x - 1)
+
+
+def test_off_the_gpu_or_switched_off_a_layers_matmul_is_pytorchs(monkeypatch):
+    x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
+    assert not cublaslt.use_for(x)  # fp32, and on the CPU
+    assert torch.equal(cublaslt.matmul(x, w.t()), x @ w.t())
+    if torch.cuda.is_available():
+        xb = x.cuda().bfloat16()
+        assert cublaslt.use_for(xb)
+        monkeypatch.setattr(cublaslt, "ENABLED", False)
+        assert not cublaslt.use_for(xb)
+
+
+@CUDA
+def test_a_layers_matmul_and_its_weight_gradient_through_the_tuned_path_match_pytorchs(monkeypatch):
+    from x1_pretrain.kernels import wgrad_accumulate
+
+    torch.manual_seed(4)
+    x = torch.randn(4, 512, 768, device="cuda").bfloat16()
+    w = torch.randn(1280, 768, device="cuda").bfloat16()
+    dy = torch.randn(4, 512, 1280, device="cuda").bfloat16()
+    out = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(cublaslt, "ENABLED", enabled)
+        acc = torch.ones(1280, 768, device="cuda")
+        wgrad_accumulate(acc, dy, x)
+        out[enabled] = (cublaslt.matmul(x, w.t()), cublaslt.matmul(dy, w), acc)
+    assert out[True][0].shape == (4, 512, 1280) and out[True][1].shape == (4, 512, 768)
+    for plain, tuned in zip(out[False], out[True], strict=True):
+        torch.testing.assert_close(tuned.float(), plain.float(), rtol=2e-2, atol=2e-2)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+ENABLED = True  # the training step's matmuls through `matmul` / `addmm_` here; off: PyTorch's, always
 CANDIDATES = 16  # how many of the heuristic's algorithms the first call of a shape times
 WORKSPACE_BYTES = 32 * 2**20  # what PyTorch gives cuBLAS on Hopper
 TIMED_CALLS = 5  # per candidate, after two untimed ones
@@ -81,15 +82,37 @@ def _check(what: str, status: int) -> None:
         raise RuntimeError(f"cuBLASLt: {what} returned status {status}")
 
 
+_available: bool | None = None
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it once and keeps the answer
 def available() -> bool:
     """Whether this process can run matmuls here (a CUDA GPU and the libcublasLt PyTorch loaded)."""
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return False
-    try:
-        _load()
-    except (OSError, AttributeError, RuntimeError):
-        return False
-    return True
+    global _available
+    if _available is None:
+        _available = torch.cuda.is_available() and torch.version.cuda is not None
+        if _available:
+            try:
+                _load()
+            except (OSError, AttributeError, RuntimeError):
+                _available = False
+    return _available
+
+
+def use_for(x: torch.Tensor) -> bool:
+    """Whether the step's matmuls on x go through here: ENABLED, on CUDA, 16-bit operands."""
+    return ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and available()
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (..., k) @ w (k, n): a linear layer's product (w a weight or its transposed view), at the
+    tuned algorithm where `use_for(x)`, else PyTorch's."""
+    if not use_for(x):
+        return x @ w
+    a = x.reshape(-1, x.size(-1))
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    return lt_mm(a, w).view(*x.shape[:-1], w.size(1))
 
 
 def _transposed_col_major(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -191,12 +214,12 @@ def _run(plan: _Plan, index: int, a: torch.Tensor, b: torch.Tensor, out: torch.T
 
 def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, beta: float) -> int:
     """The fastest candidate on these operands, PyTorch's own call among them; with beta = 1 into
-    a scratch copy of out, so that the tuning's calls do not add into it."""
+    a scratch buffer of out's shape, so that the tuning's calls do not add into out."""
     if plan.chosen is not None:
         return plan.chosen
     if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA graph: the heuristic's first
         return 0
-    scratch = torch.empty_like(out)
+    scratch = torch.empty_like(out) if beta else out  # out is overwritten by the call the tuning precedes
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     timings = []
     for i in [PYTORCH, *range(len(plan.candidates))]:

@@ -26,6 +26,8 @@ from typing import Optional  # the custom ops' schemas: torch reads Optional[Ten
 import torch
 import torch.nn.functional as F
 
+from x1_pretrain import cublaslt
+
 try:
     import triton
     import triton.language as tl
@@ -344,7 +346,7 @@ class _NormedLinear(torch.autograd.Function):
         r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         if folded is None:  # else the step's copy (model.Bf16Weights): the same product, taken once per step
             folded = (weight.float() * norm_weight.float()).to(dtype)
-        z = x.to(dtype) @ folded.t()
+        z = cublaslt.matmul(x.to(dtype), folded.t())
         ctx.mark_non_differentiable(r)
         ctx.save_for_backward(x, weight, norm_weight, folded, r, acc)
         return z, r
@@ -355,7 +357,7 @@ class _NormedLinear(torch.autograd.Function):
         # x through the matmul and through r; r's gradient, sum_j dy_j z_j, equals x . (dz @ W') / r,
         # so it comes from the matmul's input gradient rather than another pass over z.
         x, weight, norm_weight, folded, r, acc = ctx.saved_tensors
-        dx_lin = dz @ folded
+        dx_lin = cublaslt.matmul(dz, folded)
         xf, g = x.float(), dx_lin.float()
         dx = g - xf * (r * r) * (xf * g).mean(-1, keepdim=True)  # d r / d x = -r^3 x / D
         if acc is not None:  # the folded product's gradient summed over the step in fp32, split once per step
@@ -416,7 +418,9 @@ def wgrad_accumulate(acc: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tenso
     """acc += grad_out^T @ inp, summed in fp32: a linear layer's weight gradient (out, in) added
     into its fp32 accumulator. grad_out (..., out) and inp (..., in) in the compute dtype."""
     g, x = grad_out.reshape(-1, grad_out.size(-1)), inp.reshape(-1, inp.size(-1))
-    if addmm_into_fp32(acc.device):
+    if cublaslt.use_for(g) and acc.is_contiguous():
+        cublaslt.tuned_addmm_(acc, g.t(), x)
+    elif addmm_into_fp32(acc.device):
         torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
     else:  # the CPU, or a torch without it: the product in the inputs' dtype, then the add, as autograd's
         acc.add_(g.t() @ x)  # accumulation computes it (an fp32 product would cost 4 bytes per logit for the head)

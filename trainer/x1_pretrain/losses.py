@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from x1_pretrain.cublaslt import lt_addmm_, lt_mm
+from x1_pretrain import cublaslt
 from x1_pretrain.kernels import triton_device, triton_ok, wgrad_accumulate
 
 try:
@@ -34,10 +34,7 @@ BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
 # The forward-and-gradient kernel whose first pass takes only each row's max: one exponential per
 # logit, not two (_ce_fwd_grad_max_first_kernel).
-MAX_FIRST = False
-# The head's three matmuls through cuBLASLt with the algorithm timed fastest at the first call
-# (`cublaslt.py`), instead of the one the heuristic ranks first, on CUDA.
-HEAD_TUNED = False
+MAX_FIRST = True
 
 
 if triton is not None:
@@ -304,9 +301,7 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
                 acc: torch.Tensor | None) -> torch.Tensor:
-        tuned = HEAD_TUNED and h.is_cuda
-        ctx.tuned = tuned
-        loss, grad, scale = ce_fwd_grad(lt_mm(h, w.t()) if tuned else h @ w.t(), targets, vocab)
+        loss, grad, scale = ce_fwd_grad(cublaslt.matmul(h, w.t()), targets, vocab)
         ctx.save_for_backward(h, w, grad, scale, acc)
         return loss
 
@@ -314,11 +309,8 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, dloss: torch.Tensor):
         h, w, grad, scale, acc = ctx.saved_tensors
         d = (dloss * scale)[:, None]
-        dh = ((lt_mm(grad, w) if ctx.tuned else grad @ w) * d).to(h.dtype)
+        dh = (cublaslt.matmul(grad, w) * d).to(h.dtype)
         hd = (h * d).to(h.dtype)
-        if acc is not None and ctx.tuned:
-            lt_addmm_(acc, grad.t(), hd)
-            return dh, None, None, None, None
         if acc is not None:  # the weight gradient added into the fp32 buffer by its matmul
             wgrad_accumulate(acc, grad, hd)
             return dh, None, None, None, None

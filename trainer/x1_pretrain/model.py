@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from x1_pretrain import cublaslt
 from x1_pretrain.config import ModelConfig
 
 try:  # flash-attn ships in the NGC image; elsewhere SDPA does the same math
@@ -123,7 +124,7 @@ class _LinearIntoAcc(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, copy: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
         x = x.to(copy.dtype)  # what autocast does to a linear layer's input
         ctx.save_for_backward(x, copy, acc)
-        return x @ copy.t()
+        return cublaslt.matmul(x, copy.t())
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -131,7 +132,7 @@ class _LinearIntoAcc(torch.autograd.Function):
 
         x, copy, acc = ctx.saved_tensors
         wgrad_accumulate(acc, dy, x)
-        return dy @ copy, None, None
+        return cublaslt.matmul(dy, copy), None, None
 
 
 def _copy(copies: dict[str, Any] | None, key: str) -> torch.Tensor | None:
