@@ -5,7 +5,7 @@
 
 Runs `python -m x1_watchdog --mode process -- python -m x1_pretrain.train ...` as a user runs it
 on a host without Docker (RunPod), with torch.compile's caches where compose puts them
-(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR under the workspace; --cache-dir keeps them between
+(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, X1_CUBLASLT_CACHE under the workspace; --cache-dir keeps them between
 calls). Once the trainer's heartbeat reaches --sigterm-at, the trainer process gets SIGTERM (a
 spot reclaim): emergency checkpoint, exit 75, the watchdog relaunches it with
 --resume-from-latest, it finishes at --steps and writes the run folder (--run-dir). Then reports,
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-           "TRITON_CACHE_DIR": str(cache / "triton"),
+           "TRITON_CACHE_DIR": str(cache / "triton"), "X1_CUBLASLT_CACHE": str(cache / "cublaslt.json"),
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "trainer"), str(REPO / "watchdog"),
                                           str(REPO / "budget-sidecar"), os.environ.get("PYTHONPATH", "")])}
     cached = cache.is_dir() and any(cache.rglob("*"))

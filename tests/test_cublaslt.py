@@ -4,6 +4,11 @@ mapping is checked on the CPU; the matmuls need a CUDA GPU."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -25,6 +30,62 @@ def test_without_a_gpu_the_tuned_matmuls_say_they_are_unavailable():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert not cublaslt.available()
+
+
+def _plan_with_candidates(*algos: int) -> cublaslt._Plan:
+    results = []
+    for first_word in algos:
+        r = cublaslt._HeuristicResult()
+        r.algo.data[0], r.algo.data[3] = first_word, 7
+        results.append(r)
+    return cublaslt._Plan(None, (None, None, None), results, stored_as="NVIDIA H200|sm_90|130100|64 x 1280 x 768")
+
+
+def test_a_choice_kept_in_the_cache_file_is_taken_by_the_next_process_while_its_algorithm_is_the_same(
+        tmp_path, monkeypatch):
+    cache = tmp_path / "cache" / "cublaslt.json"
+    monkeypatch.setenv(cublaslt.CACHE_ENV, str(cache))
+    tuned = _plan_with_candidates(11, 12, 13)
+    tuned.chosen, tuned.pytorch_ms, tuned.timings_ms = 2, 0.5, [0.6, 0.55, 0.4]
+    cublaslt._store_choice(tuned)
+    assert json.loads(cache.read_text())[tuned.stored_as]["rank"] == 2
+    assert not list(cache.parent.glob("*.tmp"))
+
+    assert cublaslt._stored_choice(_plan_with_candidates(11, 12, 13)) == 2  # a relaunch: same heuristic answer
+    assert cublaslt._stored_choice(_plan_with_candidates(11, 12, 99)) is None  # another algorithm at rank 2: timed
+    assert cublaslt._stored_choice(_plan_with_candidates(11, 12)) is None  # fewer candidates
+    other_shape = _plan_with_candidates(11, 12, 13)
+    other_shape.stored_as += "0"
+    assert cublaslt._stored_choice(other_shape) is None
+
+    pytorch_won = _plan_with_candidates(21, 22)
+    pytorch_won.stored_as, pytorch_won.chosen, pytorch_won.pytorch_ms = "another shape", cublaslt.PYTORCH, 0.3
+    pytorch_won.timings_ms = [0.4, 0.5]
+    cublaslt._store_choice(pytorch_won)
+    assert cublaslt._stored_choice(_plan_with_candidates(11, 12, 13)) == 2, "the second choice kept the first"
+    fresh = _plan_with_candidates(21, 22)
+    fresh.stored_as = "another shape"
+    assert cublaslt._stored_choice(fresh) == cublaslt.PYTORCH
+
+
+def test_a_missing_torn_or_unwritable_cache_file_means_timing_again_and_never_an_error(tmp_path, monkeypatch):
+    plan = _plan_with_candidates(1, 2)
+    plan.chosen, plan.pytorch_ms, plan.timings_ms = 1, 0.5, [0.6, 0.4]
+    monkeypatch.delenv(cublaslt.CACHE_ENV, raising=False)
+    cublaslt._store_choice(plan)  # no file named: nothing kept
+    assert cublaslt._stored_choice(plan) is None
+    cache = tmp_path / "cublaslt.json"
+    monkeypatch.setenv(cublaslt.CACHE_ENV, str(cache))
+    assert cublaslt._stored_choice(plan) is None  # none yet
+    cache.write_text('{"NVIDIA H200|sm_90|130100|64 x 1280 x 768": {"rank": 1, "al')
+    assert cublaslt._stored_choice(plan) is None
+    cache.write_text("[1, 2]")
+    assert cublaslt._stored_choice(plan) is None
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(cublaslt.CACHE_ENV, str(blocked / "cublaslt.json"))  # its folder cannot be made
+    cublaslt._store_choice(plan)
+    assert cublaslt._stored_choice(plan) is None
 
 
 def _operands(m: int, n: int, k: int, a_t: bool, b_t: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,3 +185,25 @@ def test_a_layers_matmul_and_its_weight_gradient_through_the_tuned_path_match_py
     assert out[True][0].shape == (4, 512, 1280) and out[True][1].shape == (4, 512, 768)
     for plain, tuned in zip(out[False], out[True], strict=True):
         torch.testing.assert_close(tuned.float(), plain.float(), rtol=2e-2, atol=2e-2)
+
+
+@CUDA
+def test_a_second_process_runs_the_algorithms_the_first_chose_without_timing_them(tmp_path):
+    script = """
+import json, sys, torch
+from x1_pretrain import cublaslt
+torch.manual_seed(0)
+a = torch.randn(4096, 768, device="cuda").bfloat16()
+b = torch.randn(2304, 768, device="cuda").bfloat16().t()
+g = torch.randn(4096, 2304, device="cuda").bfloat16()
+acc = torch.zeros(2304, 768, device="cuda")
+cublaslt.tuned_mm(a, b)
+cublaslt.tuned_addmm_(acc, g.t(), a)
+print(json.dumps([cublaslt.chosen(a, b), cublaslt.tuning(a, b)[1] != []]))
+"""
+    env = {**os.environ, cublaslt.CACHE_ENV: str(tmp_path / "cublaslt.json")}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True,
+                                      text=True).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0][1] and not runs[1][1], "the first process timed the candidates, the second did not"
+    assert runs[0][0] == runs[1][0], "both ran the same algorithm"
+    assert len(json.loads((tmp_path / "cublaslt.json").read_text())) >= 2

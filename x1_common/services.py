@@ -276,6 +276,8 @@ def trainer(s: Settings, m: Mode) -> Service:
         # torch.compile's caches on the volume: a relaunch after a preemption recompiles from cache.
         "TORCHINDUCTOR_CACHE_DIR": m.ws("cache", "inductor"),
         "TRITON_CACHE_DIR": m.ws("cache", "triton"),
+        # The matmul algorithms timed at the first start: a relaunch runs the same ones, untimed.
+        "X1_CUBLASLT_CACHE": m.ws("cache", "cublaslt.json"),
         **{k: s[k] for k in ALERT_VARS},
     }
     image_env = {"PYTHONUNBUFFERED": "1"} if m.compose else {"PYTHONUNBUFFERED": "1", "X1_PYTHON": m.python}

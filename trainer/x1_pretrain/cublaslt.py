@@ -6,7 +6,9 @@ not always the fastest on a given GPU under a given power cap: the head's forwar
 at 84% of the rate of its weight gradient, a matmul of the same FLOPs (docs/PERFORMANCE.md). Here
 the first call of a shape times the heuristic's `CANDIDATES` best on that call's own operands and
 keeps the fastest for every later call of the shape: a training run calls each shape hundreds of
-thousands of times, the search costs about a second at start.
+thousands of times, the search costs a few seconds at start. Where `CACHE_ENV` names a file (the
+trainer's is on the workspace volume, beside torch.compile's caches), each choice is kept there: a
+relaunch after a preemption runs the same algorithms as the process before it, without timing them.
 
 cuBLASLt is reached through ctypes, in the libcublasLt that PyTorch itself loaded: no build step,
 no second copy of the library. CUDA only; `available()` says whether this process can use it.
@@ -14,7 +16,10 @@ no second copy of the library. CUDA only; `available()` says whether this proces
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +29,7 @@ ENABLED = True  # the training step's matmuls through `matmul` / `addmm_` here; 
 CANDIDATES = 16  # how many of the heuristic's algorithms the first call of a shape times
 WORKSPACE_BYTES = 32 * 2**20  # what PyTorch gives cuBLAS on Hopper
 TIMED_CALLS = 5  # per candidate, after two untimed ones
+CACHE_ENV = "X1_CUBLASLT_CACHE"  # a JSON file of the choices made, read at a shape's first call
 
 # cuBLASLt's enums (cublasLt.h, library_types.h, cublas_api.h)
 _COMPUTE_32F = 68
@@ -55,6 +61,7 @@ _SIGNATURES = {
     "cublasLtMatmulAlgoGetHeuristic": [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.POINTER(_HeuristicResult),
                                        ctypes.POINTER(ctypes.c_int)],
     "cublasLtMatmul": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.POINTER(_Algo), _P, ctypes.c_size_t, _P],
+    "cublasLtGetVersion": [],
 }
 _lib: ctypes.CDLL | None = None
 _handle = _P()
@@ -71,7 +78,7 @@ def _load() -> ctypes.CDLL:
         lib = ctypes.CDLL(paths[0] if paths else "libcublasLt.so")
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).restype = ctypes.c_size_t if name == "cublasLtGetVersion" else ctypes.c_int
         _lib = lib
         _check("cublasLtCreate", _lib.cublasLtCreate(ctypes.byref(_handle)))
     return _lib
@@ -141,6 +148,7 @@ class _Plan:
     chosen: int | None = None  # a candidate's rank, or PYTORCH
     timings_ms: list[float] = field(default_factory=list)  # per candidate, in the heuristic's order
     pytorch_ms: float | None = None  # PyTorch's own call of the same product, timed beside them
+    stored_as: str = ""  # its entry in the file of choices: the GPU, the library and the shape
 
 
 PYTORCH = -1  # the tuning's answer when PyTorch's own call (cuBLAS's first algorithm) was the fastest
@@ -189,7 +197,10 @@ def _plan(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out_align: i
     candidates = [results[i] for i in range(found.value) if results[i].state == 0]
     if not candidates:
         raise RuntimeError(f"cuBLASLt: no algorithm for {m} x {n} x {k} ({a.dtype} -> {out_dtype})")
-    _plans[key] = plan = _Plan(desc, layouts, candidates)
+    device = torch.cuda.get_device_properties(a.device)
+    stored_as = "|".join(map(str, (device.name, f"sm_{device.major}{device.minor}", lib.cublasLtGetVersion(),
+                                   *key[1:])))
+    _plans[key] = plan = _Plan(desc, layouts, candidates, stored_as=stored_as)
     return key, plan
 
 
@@ -219,6 +230,9 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
         return plan.chosen
     if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA graph: the heuristic's first
         return 0
+    plan.chosen = _stored_choice(plan)
+    if plan.chosen is not None:
+        return plan.chosen
     scratch = torch.empty_like(out) if beta else out  # out is overwritten by the call the tuning precedes
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     timings = []
@@ -234,7 +248,55 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
     plan.pytorch_ms, plan.timings_ms = timings[0], timings[1:]
     fastest = min(range(len(plan.timings_ms)), key=plan.timings_ms.__getitem__)
     plan.chosen = fastest if plan.timings_ms[fastest] < plan.pytorch_ms else PYTORCH
+    _store_choice(plan)
     return plan.chosen
+
+
+def _algo_hex(result: _HeuristicResult) -> str:
+    return bytes(result.algo).hex()
+
+
+def _read_choices(path: str) -> dict:
+    try:
+        choices = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or unreadable: the file is a cache, its loss costs a re-timing
+        return {}
+    return choices if isinstance(choices, dict) else {}
+
+
+def _stored_choice(plan: _Plan) -> int | None:
+    """The choice the file of `CACHE_ENV` holds for this plan, if the heuristic still returns the
+    same algorithm at that rank (the file may come from another GPU or library: then it is timed)."""
+    path = os.environ.get(CACHE_ENV)
+    entry = _read_choices(path).get(plan.stored_as) if path else None
+    if not isinstance(entry, dict):
+        return None
+    rank, algo = entry.get("rank"), entry.get("algo")
+    if rank == PYTORCH:
+        return PYTORCH
+    if isinstance(rank, int) and 0 <= rank < len(plan.candidates) and _algo_hex(plan.candidates[rank]) == algo:
+        return rank
+    return None
+
+
+def _store_choice(plan: _Plan) -> None:
+    """Adds the plan's choice to the file of `CACHE_ENV`, replaced whole (a reader never sees it torn)."""
+    path = os.environ.get(CACHE_ENV)
+    if not path:
+        return
+    choices = _read_choices(path)
+    choices[plan.stored_as] = {
+        "rank": plan.chosen, "algo": None if plan.chosen == PYTORCH else _algo_hex(plan.candidates[plan.chosen]),
+        "ms": min([plan.pytorch_ms, *plan.timings_ms]),
+    }
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(tmp).write_text(json.dumps(choices, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # a read-only or full volume: the choice holds for this process, the next times again
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def tuned_mm(a: torch.Tensor, b: torch.Tensor, *, algo: int | None = None) -> torch.Tensor:
