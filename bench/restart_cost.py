@@ -15,6 +15,7 @@ from the run folder's manifest (the trainer's MLflow metrics joined with the wat
   preemption downtime  exit 75 -> the relaunched process's first step done
   checkpoint           SIGTERM -> exit (the emergency checkpoint)
   floor warnings       each process's "under the floor" lines, and its tokens/s per log interval
+  matmul tuning        on a GPU, each process's cuBLASLt line: shapes timed, shapes kept from the file
 
 and prints the log of both trainer processes (one file per process). Writes DIR/restart-cost.json.
 Exit 0 when the run finished with one relaunch after the SIGTERM; 1 otherwise; 2 bad input.
@@ -40,6 +41,7 @@ sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss \S+ lr \S+ grad \S+ tok/s (\d+)")
 FLOOR_LINE = "under the floor"
 SIGTERM_EXIT = re.compile(r"preempted at step (\d+): checkpoint in ([\d.]+) s, exit 75")
+TUNING_LINE = re.compile(r"(cuBLASLt: \d+ matmul shapes, \d+ timed, .*)$", re.M)  # on a GPU, after the first step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,11 +146,13 @@ def summarise(work: Path, watchdog_code: int, signalled: dict | None, cached: bo
     for path in process_logs(work / "logs"):
         text = path.read_text(errors="replace")
         exit_line = SIGTERM_EXIT.search(text)
+        tuning = TUNING_LINE.search(text)
         processes.append({
             "log": path.name,
             "tokens_per_sec": [(int(m[1]), int(m[2])) for m in STEP_LINE.finditer(text)],
             "floor_warnings": [line for line in text.splitlines() if FLOOR_LINE in line],
             "emergency_checkpoint_seconds": float(exit_line[2]) if exit_line else None,
+            "matmul_tuning": tuning[1] if tuning else None,
         })
     return {
         "watchdog_exit": watchdog_code,
@@ -182,6 +186,8 @@ def report(summary: dict, work: Path) -> str:
         lines.append(f"process {i} ({p['log']}): {len(p['floor_warnings'])} floor warning(s)"
                      + (f", emergency checkpoint {ckpt:.2f} s" if ckpt is not None else "") + f"; tokens/s by step: {tps}")
         lines += [f"  {w}" for w in p["floor_warnings"]]
+        if p["matmul_tuning"]:
+            lines.append(f"  {p['matmul_tuning']}")
     for path in process_logs(work / "logs"):
         lines += ["", f"===== {path.name}", path.read_text(errors="replace").rstrip()]
     return "\n".join(lines)

@@ -68,6 +68,20 @@ def test_a_choice_kept_in_the_cache_file_is_taken_by_the_next_process_while_its_
     assert cublaslt._stored_choice(fresh) == cublaslt.PYTORCH
 
 
+def test_the_summary_line_counts_the_shapes_timed_and_kept_and_names_the_file(monkeypatch):
+    monkeypatch.setattr(cublaslt, "_plans", {})
+    assert cublaslt.summary() is None, "nothing to say before the first matmul"
+    for key, source in enumerate(["timed", "kept", "kept", "captured", ""]):
+        plan = _plan_with_candidates(1)
+        plan.source = source
+        cublaslt._plans[key] = plan
+    monkeypatch.setenv(cublaslt.CACHE_ENV, "/workspace/cache/cublaslt.json")
+    assert cublaslt.summary() == ("cuBLASLt: 4 matmul shapes, 1 timed, 2 at the algorithm kept in "
+                                  "/workspace/cache/cublaslt.json, 1 at the heuristic's first (inside a CUDA graph)")
+    monkeypatch.delenv(cublaslt.CACHE_ENV)
+    assert "kept in no file (X1_CUBLASLT_CACHE unset)" in cublaslt.summary()
+
+
 def test_a_missing_torn_or_unwritable_cache_file_means_timing_again_and_never_an_error(tmp_path, monkeypatch):
     plan = _plan_with_candidates(1, 2)
     plan.chosen, plan.pytorch_ms, plan.timings_ms = 1, 0.5, [0.6, 0.4]
@@ -199,11 +213,13 @@ g = torch.randn(4096, 2304, device="cuda").bfloat16()
 acc = torch.zeros(2304, 768, device="cuda")
 cublaslt.tuned_mm(a, b)
 cublaslt.tuned_addmm_(acc, g.t(), a)
-print(json.dumps([cublaslt.chosen(a, b), cublaslt.tuning(a, b)[1] != []]))
+print(json.dumps([cublaslt.chosen(a, b), cublaslt.tuning(a, b)[1] != [], cublaslt.summary()]))
 """
     env = {**os.environ, cublaslt.CACHE_ENV: str(tmp_path / "cublaslt.json")}
     runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True,
                                       text=True).stdout.splitlines()[-1]) for _ in range(2)]
     assert runs[0][1] and not runs[1][1], "the first process timed the candidates, the second did not"
     assert runs[0][0] == runs[1][0], "both ran the same algorithm"
+    assert runs[0][2].startswith("cuBLASLt: 2 matmul shapes, 2 timed, 0 at the algorithm kept in "), runs[0][2]
+    assert runs[1][2].startswith("cuBLASLt: 2 matmul shapes, 0 timed, 2 at the algorithm kept in "), runs[1][2]
     assert len(json.loads((tmp_path / "cublaslt.json").read_text())) >= 2

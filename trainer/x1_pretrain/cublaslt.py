@@ -149,6 +149,7 @@ class _Plan:
     timings_ms: list[float] = field(default_factory=list)  # per candidate, in the heuristic's order
     pytorch_ms: float | None = None  # PyTorch's own call of the same product, timed beside them
     stored_as: str = ""  # its entry in the file of choices: the GPU, the library and the shape
+    source: str = ""  # how `chosen` was reached: "timed", "kept" (from the file) or "captured" (untimed)
 
 
 PYTORCH = -1  # the tuning's answer when PyTorch's own call (cuBLAS's first algorithm) was the fastest
@@ -229,9 +230,11 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
     if plan.chosen is not None:
         return plan.chosen
     if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA graph: the heuristic's first
+        plan.source = "captured"
         return 0
     plan.chosen = _stored_choice(plan)
     if plan.chosen is not None:
+        plan.source = "kept"
         return plan.chosen
     scratch = torch.empty_like(out) if beta else out  # out is overwritten by the call the tuning precedes
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -248,6 +251,7 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
     plan.pytorch_ms, plan.timings_ms = timings[0], timings[1:]
     fastest = min(range(len(plan.timings_ms)), key=plan.timings_ms.__getitem__)
     plan.chosen = fastest if plan.timings_ms[fastest] < plan.pytorch_ms else PYTORCH
+    plan.source = "timed"
     _store_choice(plan)
     return plan.chosen
 
@@ -297,6 +301,19 @@ def _store_choice(plan: _Plan) -> None:
     except OSError:  # a read-only or full volume: the choice holds for this process, the next times again
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def summary() -> str | None:
+    """One line on this process's choices so far: how many shapes, how many timed here, how many
+    kept from the file of `CACHE_ENV` (a relaunch that finds its file times none); None before any."""
+    sources = [plan.source for plan in _plans.values() if plan.source]
+    if not sources:
+        return None
+    counts = {source: sources.count(source) for source in ("timed", "kept", "captured")}
+    path = os.environ.get(CACHE_ENV)
+    return (f"cuBLASLt: {len(sources)} matmul shapes, {counts['timed']} timed, {counts['kept']} at the "
+            f"algorithm kept in {path or f'no file ({CACHE_ENV} unset)'}"
+            + (f", {counts['captured']} at the heuristic's first (inside a CUDA graph)" if counts["captured"] else ""))
 
 
 def tuned_mm(a: torch.Tensor, b: torch.Tensor, *, algo: int | None = None) -> torch.Tensor:

@@ -32,8 +32,8 @@ import torch
 from x1_common.contracts import END_REASONS, ExitCode
 from x1_common.fsutil import write_json_atomic
 from x1_common.logs import setup_logging
+from x1_pretrain import cublaslt, preflight
 from x1_pretrain import distributed as D
-from x1_pretrain import preflight
 from x1_pretrain.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
 from x1_pretrain.budget_guard import Interval, Pace, Projection
 from x1_pretrain.checkpoint import Checkpointer, CheckpointError, TrainerState, capture_rng, restore_rng
@@ -476,6 +476,8 @@ def log_first_step(run: Run, step: int) -> None:
     log.info("first step of this process (step %d) done %.1f s after it started%s", step, metrics["startup_seconds"],
              f"; {metrics['downtime_seconds']:.1f} s since the previous process's last heartbeat "
              f"(phase {previous.phase})" if resumed else "")
+    if (tuned := cublaslt.summary()) is not None:
+        log.info(tuned)
 
 
 def total_norm(params) -> float:
