@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch for local runs and CI; GPU hosts use the NGC image's own torch instead.
+# The CPU build of torch for local runs and CI; the trainer image installs torch 2.11.0 (CUDA 13.0) itself.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.x1-installed
 PYTEST_ARGS ?=
@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-docker: $(STAMP)
-	$(PY) -m pytest tests/test_docker_engine_api.py tests/test_docker_compose.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/test_docker_engine_api.py tests/test_docker_compose.py tests/test_multinode.py $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m x1_pretrain.demo --workspace demo-workspace

@@ -16,7 +16,7 @@
 Rates are tokens per CPU-second (of all the pipeline's processes; of this process for the raw
 encoder), so that other users of a shared machine do not count: one worker is one core. The
 "marginal" rate divides the extra tokens of the 2x run by its extra CPU time: fixed start-up
-costs cancel, leaving the rate a long run (the seed's 10B tokens) sustains. Peak RSS is that of
+costs cancel, leaving the rate a long run (the lab's 10B tokens) sustains. Peak RSS is that of
 the largest process (main or worker), median of --trials runs. Best of --trials for every timing.
 
 Bars, checked at the end (exit 1 if one fails): with 1 worker the pipeline keeps >= 0.8 of the

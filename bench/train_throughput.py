@@ -61,6 +61,7 @@ VARIANTS: dict[str, dict] = {
     "plain": {"sets": ["model.pad_vocab_to_multiple_of=1", "train.kernels=torch"]},
     "padded": {"sets": ["train.kernels=torch"]},
     "shipped": {"sets": []},  # the config as shipped: padded vocab + our CE, RoPE and SwiGLU kernels
+    "sm80": {"sets": ["train.gpu_arch=sm80"]},  # the levers an A100 gets, on whatever GPU runs it
     "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False}},
     "no-rope-kernel": {"patch": {"x1_pretrain.model.FUSED_ROPE": False}},
     "no-swiglu-kernel": {"patch": {"x1_pretrain.model.FUSED_SWIGLU": False}},
@@ -91,7 +92,7 @@ VARIANTS: dict[str, dict] = {
     # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding
     # parameters): where float8's saving in the matmuls can outgrow its casts. Not the reference's model.
     "ce-two-exp": {"patch": {"x1_pretrain.losses.MAX_FIRST": False}},  # the loss kernel before call 54
-    "untuned-matmuls": {"patch": {"x1_pretrain.cublaslt.ENABLED": False}},  # cuBLAS's first algorithm, always
+    "untuned-matmuls": {"sets": ["train.cublaslt=off"]},  # cuBLAS's first algorithm, always
     "wide": {"sets": ["model.d_model=2048", "model.n_head=16", "model.n_kv_head=4", "model.d_ff=5632",
                       "model.n_layer=4", "train.micro_batch_size=16"]},
 }

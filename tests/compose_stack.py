@@ -35,6 +35,8 @@ from conftest import REPO, free_port
 # The local base images .ci/docker-base-images builds (no registry is reachable from CI).
 PYTHON_IMAGE = os.environ.get("X1_LOCAL_PYTHON_IMAGE", "x1-local/python:3.11-bookworm")
 TORCH_IMAGE = os.environ.get("X1_LOCAL_TORCH_IMAGE", "x1-local/torch-cpu:2.13.0")
+# The stand-in base's torch (its tag): the trainer image's build checks it is what is installed.
+TORCH_IMAGE_VERSION = os.environ.get("X1_LOCAL_TORCH_VERSION", TORCH_IMAGE.rpartition(":")[2])
 BASE_IMAGES_SCRIPT = REPO / ".ci" / "docker-base-images"
 
 COMPOSE_FILES = ("compose.yaml", "compose.cpu.yaml", "compose.build-ca.yaml",
@@ -65,6 +67,18 @@ def ca_bundle() -> str | None:
 
 def image_exists(image: str) -> bool:
     return subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0
+
+
+def require_engine(what: str, problem: str | None = None) -> None:
+    """A fixture's gate for tests on the real engine: skip where it cannot run, but fail under
+    CI=true, where .ci/docker-setup must have made it run. `problem`: another reason, checked first."""
+    import pytest
+
+    problem = problem or docker_problem()
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true, and {what} cannot run: {problem}", pytrace=False)
+        pytest.skip(problem)
 
 
 def docker_problem() -> str | None:
@@ -136,6 +150,7 @@ class ComposeStack:
             "DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
             "PYTHON_IMAGE": PYTHON_IMAGE,
             "X1_TEST_TRAINER_BASE_IMAGE": TORCH_IMAGE,
+            "X1_TEST_TORCH_VERSION": TORCH_IMAGE_VERSION,
             "BUILD_CA_BUNDLE": ca_bundle() or "",
             "PROVIDER": "lambda",
             "PROVIDER_API_URL": "http://fake-billing:8790",

@@ -86,7 +86,7 @@ REFERENCE_STEPS = 40
 
 
 def train_args(data: Path, ckpt: Path, mlflow_uri: str, *extra: str, total: int = REFERENCE_STEPS) -> list[str]:
-    """The seed's command line for the tiny CPU config, writing under `ckpt`."""
+    """The lab's command line for the tiny CPU config, writing under `ckpt`."""
     return [
         "--config", str(TINY_CONFIG), "--data-dir", str(data), "--ckpt-dir", str(ckpt),
         "--mlflow-uri", mlflow_uri, "--total-steps", str(total), "--ckpt-every", "10", "--eval-every", "20",
@@ -111,9 +111,10 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> 
     return ckpt
 
 
-# The tests that build and run the compose stack on a real Docker Engine (tests/test_docker_compose.py)
+# The tests that build and run containers on a real Docker Engine (tests/test_docker_compose.py, the
+# two-host tests/test_multinode.py)
 # go last: they take minutes, and every other test's result is in before they start.
-DOCKER_ENGINE_TESTS = ("test_docker_compose.py",)
+DOCKER_ENGINE_TESTS = ("test_docker_compose.py", "test_multinode.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

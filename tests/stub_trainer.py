@@ -2,7 +2,7 @@
 
 It is not a fake of any service: it is the supervised child, and it keeps the trainer's side
 of the contracts the watchdog relies on — a heartbeat file (x1_common.contracts.Heartbeat),
-exit codes (SPEC §3), SIGTERM/SIGINT → save progress → exit 75, and `--resume-from-latest`
+exit codes (docs/DESIGN.md §3), SIGTERM/SIGINT → save progress → exit 75, and `--resume-from-latest`
 continuing from the saved progress — with steps that are sleeps instead of math.
 
     python tests/stub_trainer.py --heartbeat-file hb.json --progress-file progress.json --steps 5
@@ -11,6 +11,7 @@ continuing from the saved progress — with steps that are sleeps instead of mat
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -33,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the first heartbeat")
     p.add_argument("--exit-code", type=int, default=0, help="code to exit with once all steps are done")
     p.add_argument("--crash", action="store_true", help="exit 1 after the first step, on every start")
+    p.add_argument("--fail-at-startup", action="store_true",
+                   help="die with --error after the start-up heartbeat, before the first step, on every start")
+    p.add_argument("--error", default=None,
+                   help="what --fail-at-startup and --crash die of: a TypeError with this message (a traceback, "
+                        "exit 1, then a goodbye line with the time, as a tracking client prints at exit); "
+                        "{start} is this start's number (from --starts-file), {addr} an address of this process")
     p.add_argument("--hang-at-step", type=int, default=None,
                    help="in a run that did not resume: at this step stop heartbeating and ignore SIGTERM/SIGINT")
     p.add_argument("--worker-pid-file", type=Path, default=None,
@@ -77,6 +84,14 @@ class Stub:
             with open(self.args.starts_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"pid": os.getpid(), "time": time.time(), **fields}) + "\n")
 
+    def fail(self) -> int:
+        if self.args.error is None:
+            return 1
+        start = len([r for r in _read_lines(self.args.starts_file) if "argv" in r]) if self.args.starts_file else 1
+        goodbye = f"stub: tracking client closed at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()})"
+        atexit.register(print, goodbye, file=sys.stderr, flush=True)
+        raise TypeError(self.args.error.format(start=start, addr=hex(id(self))))
+
     def emergency_exit(self) -> int:
         self.beat("checkpointing")
         self.save()
@@ -96,6 +111,8 @@ class Stub:
         if self.stop_signal is not None:
             return self.emergency_exit()
         self.beat("startup")
+        if a.fail_at_startup:
+            return self.fail()
         while self.step < a.steps:
             if a.hang_at_step is not None and self.step == a.hang_at_step and not a.resume_from_latest:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -108,9 +125,13 @@ class Stub:
             self.save()
             self.beat("training")
             if a.crash:
-                return 1
+                return self.fail()
         self.beat("finished")
         return a.exit_code
+
+
+def _read_lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def main() -> int:

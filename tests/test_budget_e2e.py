@@ -1,4 +1,4 @@
-"""The budget contract end to end, with the real trainer (SPEC §6, §7).
+"""The budget contract end to end, with the real trainer (docs/DESIGN.md §6, §7).
 
 First the guard inside a running trainer, driven by budget.json files the test writes: a projection
 over the cap stops with 76 and a new complete checkpoint, spend over the cap stops with 77 and
@@ -50,7 +50,7 @@ RUN_TIMEOUT = 300.0  # generous: two shared CPU cores
 
 @pytest.fixture(autouse=True)
 def mlflow_file_store_readable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runs log to MLflow's file store (the seed's file:///workspace/mlruns); MLflow >= 3.7 lets a
+    """The runs log to MLflow's file store (the lab's file:///workspace/mlruns); MLflow >= 3.7 lets a
     client read it only when asked to, as the trainer and export_run ask."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
@@ -352,7 +352,7 @@ def test_at_the_normal_price_the_run_finishes_under_the_cap(tmp_path, tiny_data,
 
     assert (t.ckpt / "final.safetensors").is_file()
     log = t.text()
-    assert "Confirmed acceptable, $8.60 buffer." in log  # the seed's pre-launch sentence
+    assert "Confirmed acceptable, $8.60 buffer." in log  # the lab's pre-launch sentence
     assert "launch accepted" in log and "ALERT" not in log
     spent = spent_history(t.ckpt, t.mlflow_uri)
     assert len(spent) >= 4 and 0 < spent[0]
@@ -508,7 +508,7 @@ def env_example_value(name: str) -> str:
 
 
 def a100_args(data: Path, root: Path, uri: Path, total: int, ckpt: str = "ckpt") -> list[str]:
-    """The seed's 50M config as compose runs it, on this CPU: refused or accepted before the model is built."""
+    """The lab's 50M config as compose runs it, on this CPU: refused or accepted before the model is built."""
     from x1_pretrain.accounting import tokens_per_sec_table
 
     args = guarded_args(data, root, uri, "--set", "train.device=cpu", "--set", "train.compile=false",
@@ -533,7 +533,10 @@ def test_the_default_env_total_steps_on_an_a100_priced_instance_are_refused_at_l
     t = started(Trainer(a100_args(tiny_data, tmp_path, sidecar.output, total), tmp_path, env=trainer_env()))
     assert t.wait() == 78, t.text()[-3000:]
     refusal = budget_lines(t, "launch refused")[0]
-    assert "(plan: 254k tokens/s" in refusal and own_usd(refusal) > 50  # ~48 h at $1.10/h
+    from x1_pretrain.accounting import fmt_count, tokens_per_sec_table
+
+    a100 = fmt_count(tokens_per_sec_table()["a100-80gb"].tokens_per_sec)
+    assert f"(plan: {a100} tokens/s" in refusal and own_usd(refusal) > 50  # ~45 h at $1.10/h
     fits = int(refusal.split("--total-steps ")[1].split()[0])
     assert 40_000 < fits < total
     assert not list(t.ckpt.glob("step_*")) and not (t.ckpt / "final.safetensors").exists()

@@ -1,4 +1,4 @@
-"""The budget guard's decisions (SPEC §6), driven by budget.json files the tests write: the rules in
+"""The budget guard's decisions (docs/DESIGN.md §6), driven by budget.json files the tests write: the rules in
 order, spend always judged extrapolated, alerts once per crossing (to a real webhook receiver and a
 real SMTP server), the first-reading wait, the pre-launch sentence, and the dry run."""
 

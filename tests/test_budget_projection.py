@@ -1,4 +1,4 @@
-"""The trainer's own budget projection and its throughput floor, without a running trainer (SPEC §5, §6).
+"""The trainer's own budget projection and its throughput floor, without a running trainer (docs/DESIGN.md §5, §6).
 
 - `Pace`: the hours the remaining steps need, from the plan's throughput until the first steady log
   interval and a rolling measure after, plus eval, checkpoint and restart overheads;
@@ -33,7 +33,7 @@ from budget_sidecar.settings import SidecarSettings
 from conftest import CONFIGS, run_module
 from x1_common.alerts import AlertSender
 from x1_common.contracts import read_budget_file
-from x1_pretrain.accounting import expected_tokens_per_sec, steps_that_fit, tokens_per_sec_table
+from x1_pretrain.accounting import expected_tokens_per_sec, fmt_count, steps_that_fit, tokens_per_sec_table
 from x1_pretrain.budget_guard import Action, BudgetGuard, Interval, Pace, _count_due
 from x1_pretrain.config import BudgetConfig, load_config
 
@@ -66,7 +66,7 @@ def write_budget(path: Path, *, spent: float, rate: float = 1.10, projected: flo
 
 def seed_pace(clock: Clock, *, start_step: int = 0, total: int = 84_000, expected: float | None = A100,
               restarts: int = 0) -> Pace:
-    """The seed's run: 84,000 steps of 512K tokens, eval and checkpoint every 1800 steps."""
+    """The lab's run: 84,000 steps of 512K tokens, eval and checkpoint every 1800 steps."""
     return Pace(total_steps=total, tokens_per_step=STEP_TOKENS, eval_every=1800, ckpt_every=1800,
                 eval_tokens=128 * 1024, start_step=start_step, restarts=restarts, expected_tokens_per_sec=expected,
                 expected_source="plan's A100 figure", started=clock.t, clock=clock)
@@ -95,9 +95,9 @@ def test_count_due_counts_multiples_and_the_last_step() -> None:
 def test_before_any_measure_the_pace_is_the_plans_and_on_a_cpu_there_is_none() -> None:
     clock = Clock()
     need = seed_pace(clock).need(0)
-    assert need is not None and need.pace.startswith("plan: 254")
+    assert need is not None and need.pace.startswith(f"plan: {fmt_count(A100)}")
     assert need.seconds_per_step == pytest.approx(STEP_TOKENS / A100)
-    # 84,000 steps at plan's A100 figure: the ~48 h plan itself prints for the seed's steps
+    # 84,000 steps at plan's A100 figure: the ~48 h plan itself prints for the lab's steps
     assert need.seconds / 3600 == pytest.approx(84_000 * STEP_TOKENS / A100 / 3600, rel=0.01)
     assert need.evals_left == 47 and need.ckpts_left == 48  # the final files count as one more
     assert need.restarts_ahead == 0  # a first start expects none
@@ -233,7 +233,7 @@ def test_every_budget_check_logs_one_line_with_the_projections_inputs(tmp_path, 
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("budget: continue")]
     assert len(lines) == 1
     line = lines[0]
-    for part in ("spent $2 at $1.10/h", "29,990 steps x 2.06 s (measured: the first steady interval)",
+    for part in ("spent $2 at $1.10/h", f"29,990 steps x {STEP_TOKENS / A100:.3g} s (measured: the first steady interval)",
                  "evals x", "checkpoints x", "restarts x", "h billed", "+10%", "-> own $", "sidecar's $2",
                  "projected $", "of $35"):
         assert part in line, (part, line)

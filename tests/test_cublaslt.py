@@ -146,7 +146,7 @@ def test_the_accumulating_matmul_adds_its_product_once_in_fp32():
 
 
 @CUDA
-def test_the_head_with_tuned_matmuls_gives_the_loss_and_gradients_of_the_head_without(monkeypatch):
+def test_the_head_with_tuned_matmuls_gives_the_loss_and_gradients_of_the_head_without():
     torch.manual_seed(3)
     vocab, padded, d = 9000, 9024, 64
     h = torch.randn(2048, d, device="cuda").bfloat16().requires_grad_()
@@ -154,9 +154,8 @@ def test_the_head_with_tuned_matmuls_gives_the_loss_and_gradients_of_the_head_wi
     targets = torch.randint(0, vocab, (2048,), device="cuda")
     results = []
     for tuned in (False, True):
-        monkeypatch.setattr(cublaslt, "ENABLED", tuned)
         acc = torch.zeros(padded, d, device="cuda")
-        loss = losses._HeadLoss.apply(h, w, targets, vocab, acc).mean()
+        loss = losses._HeadLoss.apply(h, w, targets, vocab, acc, tuned).mean()
         (dh,) = torch.autograd.grad(loss, [h])
         results.append((loss, dh, acc))
     for plain, tuned in zip(*results, strict=True):
@@ -171,19 +170,34 @@ def test_the_availability_check_compiles_into_a_graph_as_a_constant():
     assert torch.equal(f(x), x * 2 if cublaslt.available() else x - 1)
 
 
-def test_off_the_gpu_or_switched_off_a_layers_matmul_is_pytorchs(monkeypatch):
+def test_off_the_gpu_or_switched_off_a_layers_matmul_is_pytorchs():
     x, w = torch.randn(2, 5, 8), torch.randn(3, 8)
     assert not cublaslt.use_for(x)  # fp32, and on the CPU
     assert torch.equal(cublaslt.matmul(x, w.t()), x @ w.t())
     if torch.cuda.is_available():
-        xb = x.cuda().bfloat16()
+        xb, wb = x.cuda().bfloat16(), w.cuda().bfloat16()
         assert cublaslt.use_for(xb)
-        monkeypatch.setattr(cublaslt, "ENABLED", False)
-        assert not cublaslt.use_for(xb)
+        assert torch.equal(cublaslt.matmul(xb, wb.t(), False), xb @ wb.t())  # train.cublaslt=off: PyTorch's call
 
 
 @CUDA
-def test_a_layers_matmul_and_its_weight_gradient_through_the_tuned_path_match_pytorchs(monkeypatch):
+def test_tuning_without_pytorchs_fp32_addmm_times_only_cublaslts_candidates(monkeypatch):
+    # A torch older than 2.8 has no addmm(out_dtype=): PyTorch's call must not be among the
+    # candidates of an add into fp32 (it raised TypeError at the first backward), nor a kept choice.
+    monkeypatch.setattr(cublaslt, "_ADDMM_INTO_FP32", False)
+    monkeypatch.delenv(cublaslt.CACHE_ENV, raising=False)
+    g = torch.randn(3000, 512, device="cuda").bfloat16()
+    x = torch.randn(3000, 96, device="cuda").bfloat16()
+    acc = torch.zeros(512, 96, device="cuda")
+    cublaslt.tuned_addmm_(acc, g.t(), x)
+    pytorch_ms, candidates_ms = cublaslt.tuning(g.t(), x, torch.float32)
+    assert pytorch_ms is None and candidates_ms
+    assert cublaslt.chosen(g.t(), x, torch.float32) != cublaslt.PYTORCH
+    torch.testing.assert_close(acc, g.t().float() @ x.float(), rtol=1e-2, atol=1e-1)
+
+
+@CUDA
+def test_a_layers_matmul_and_its_weight_gradient_through_the_tuned_path_match_pytorchs():
     from x1_pretrain.kernels import wgrad_accumulate
 
     torch.manual_seed(4)
@@ -192,10 +206,9 @@ def test_a_layers_matmul_and_its_weight_gradient_through_the_tuned_path_match_py
     dy = torch.randn(4, 512, 1280, device="cuda").bfloat16()
     out = {}
     for enabled in (False, True):
-        monkeypatch.setattr(cublaslt, "ENABLED", enabled)
         acc = torch.ones(1280, 768, device="cuda")
-        wgrad_accumulate(acc, dy, x)
-        out[enabled] = (cublaslt.matmul(x, w.t()), cublaslt.matmul(dy, w), acc)
+        wgrad_accumulate(acc, dy, x, enabled)
+        out[enabled] = (cublaslt.matmul(x, w.t(), enabled), cublaslt.matmul(dy, w, enabled), acc)
     assert out[True][0].shape == (4, 512, 1280) and out[True][1].shape == (4, 512, 768)
     for plain, tuned in zip(out[False], out[True], strict=True):
         torch.testing.assert_close(tuned.float(), plain.float(), rtol=2e-2, atol=2e-2)

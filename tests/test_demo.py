@@ -25,9 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_export_run import spiked_run
 
 from conftest import REPO, cli_env
 from x1_common.contracts import SIDECAR_PORT
+
+__all__ = ["spiked_run"]  # the shared session fixture, imported so pytest finds it here
 
 pytestmark = pytest.mark.slow
 
@@ -143,6 +146,11 @@ def test_demo_runs_the_stack_through_a_preemption_and_passes_every_dod_check(tmp
     assert json.loads((run / "termination.json").read_text()) == termination
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["end"] == "finished" and 0 < manifest["spent_usd"] <= 35
+    # The demo's band everywhere: the manifest (and the plots drawn from it) and the dod that passed.
+    from x1_pretrain.demo import BAND
+
+    assert manifest["loss_curve_band"] == list(BAND) and dod["band"] == list(BAND), (manifest, dod)
+    assert f"finish (export_run, post-mortem, dod with the band {BAND[0]:g}-{BAND[1]:g}): exit 0" in text
 
     # The key: in no file of the workspace (the MLflow database and the logs included), not printed.
     assert key not in text
@@ -199,3 +207,29 @@ def test_a_rerun_starts_clean_reports_a_busy_port_and_ctrl_c_stops_every_process
     # The trainer got the stop through the watchdog and wrote its emergency checkpoint.
     assert [(e["event"], e.get("exit_code"), e.get("stop_requested")) for e in events(ws)] == [
         ("start", None, None), ("exit", 75, True)]
+
+
+def test_demo_exits_nonzero_when_a_step_fails(spiked_run, tmp_path):
+    """The demo's last steps: `finish` (the run folder with the demo's band) and `dod`. A failing
+    `finish` (here: no MLflow server where the run's metrics should be) fails the demo even though
+    `dod`, on the folder the trainer left, passes."""
+    from x1_pretrain.demo import Console, OneShots, finish_run
+    from x1_pretrain.stack import Workspace
+
+    ws = Workspace(tmp_path / "ws")
+    ws.logs.mkdir(parents=True)
+    shutil.copytree(spiked_run.run_dir, ws.run_dir)
+    val = json.loads((ws.run_dir / "manifest.json").read_text())["final_val_loss"]
+    band = (val - 0.5, val + 0.5)
+    dod = subprocess.run([sys.executable, "-m", "x1_pretrain.dod", str(ws.run_dir), "--band", f"{band[0]:g}",
+                          f"{band[1]:g}", "--cap-usd", "35"], capture_output=True, text=True, env=cli_env(), cwd=REPO)
+    assert dod.returncode == 0, dod.stdout + dod.stderr  # the folder itself passes
+    said: list[str] = []
+    console = Console()
+    console.say = said.append  # type: ignore[method-assign]
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    code = finish_run(ws, OneShots(ws), dead, console, band)
+    assert code != 0
+    assert any(line.startswith("finish (export_run, post-mortem, dod") and "exit 2" in line for line in said), said

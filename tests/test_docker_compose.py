@@ -16,14 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from compose_stack import PYTHON_IMAGE, TORCH_IMAGE, X1_IMAGES, ComposeStack, docker_problem, run, wait_for
+from compose_stack import PYTHON_IMAGE, TORCH_IMAGE, X1_IMAGES, ComposeStack, require_engine, run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +32,7 @@ BAND = ("4.5", "7.0")  # the tiny model's DoD band (x1_pretrain.demo explains it
 
 @pytest.fixture(scope="session")
 def engine() -> None:
-    problem = docker_problem()
-    if problem:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true, and the Docker tests cannot run: {problem}", pytrace=False)
-        pytest.skip(problem)
+    require_engine("the Docker tests")
 
 
 @pytest.fixture(scope="session")
@@ -91,16 +86,31 @@ def test_images_build_on_the_selected_base_images(images):
     print(f"images built in {images['build_seconds']:.0f} s")
 
 
+@pytest.mark.timeout(900)
+def test_a_trainer_image_whose_torch_drifts_from_the_pin_fails_its_build(images, tmp_path_factory):
+    # The stand-in base carries the CPU build of torch: asked to pin the CUDA build (as the GPU
+    # image does), the check after the install fails the build, naming what is installed.
+    stack = ComposeStack(tmp_path_factory.mktemp("docker-drift"), "drift", X1_TEST_TORCH_CUDA="13.0")
+    proc = stack.compose("build", "trainer", timeout=900, check=False)
+    assert proc.returncode != 0
+    assert "x1-torch-pin: torch 2.13.0+cpu is built for CUDA none (CPU build), the image pins CUDA 13.0" in \
+        proc.stdout + proc.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # One run, from prepare to DoD
 
 
 @pytest.fixture(scope="module")
 def stack(images, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
-    s = ComposeStack(tmp_path_factory.mktemp("docker-run"), "run",
+    root = tmp_path_factory.mktemp("docker-run")
+    results = root / "results"  # storage that outlives the instance: the run folder is copied here first
+    results.mkdir()
+    results.chmod(0o777)  # the watchdog's image runs as uid 1000
+    s = ComposeStack(root, "run",
                      TOTAL_STEPS=str(TOTAL_STEPS), CKPT_EVERY="20", EVAL_EVERY="50",
                      TRAIN_EXTRA_ARGS="--inject-spike-at-step 100", TERMINATE_ON_FINISH="1",
-                     X1_TEST_PRICE_USD_PER_HR="0.50")
+                     RESULTS_DIR=str(results), X1_TEST_PRICE_USD_PER_HR="0.50")
     try:
         yield s
     finally:
@@ -250,6 +260,8 @@ def test_finished_run_is_not_retrained_by_a_second_compose_up(stack):
     wait_for(lambda: any(e["event"] == "terminate" for e in stack.events()), 120, "the watchdog's terminate event",
              diagnose=stack.logs)
     assert stack.path("logs/termination.json").exists()
+    kept = stack.root / "results" / f"run-{stack.instance_id}"
+    assert (kept / "final.safetensors").is_file() and (kept / "termination.json").is_file(), list(kept.parent.iterdir())
     n = len(stack.events())
 
     stack.compose("up", "-d", timeout=600)  # compose starts the trainer container again ...

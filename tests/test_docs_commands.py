@@ -96,8 +96,9 @@ SKIPS: tuple[tuple[str, str], ...] = (
     (r"^bash -c 'if \[ -x /workspace/venv/bin/python \]",
      "the pod's start command: tests/test_stack.py runs it against a scratch volume, set up and not"),
     (r"^cd /workspace && git clone ", "a clone of this repository onto the pod's network volume"),
-    (r"^python -m (venv|pip) |^/workspace/venv/bin/pip ",
-     "the pod's one-time virtual environment on its volume (the image's torch kept); make install builds this suite's"),
+    (r"^python3? -m (venv|pip) |^/workspace/venv/bin/pip ",
+     "the pod's one-time virtual environment on its volume (torch 2.11.0 with CUDA 13.0 from PyPI, a GPU build: "
+     "tests/test_levers.py runs its check, trainer/torch_pin.py); make install builds this suite's"),
     (r"^(/workspace/venv/bin/)?python -m x1_pretrain\.stack (up|prepare)\b",
      "the whole stack, or FineWeb-Edu's download: tests/test_stack.py runs `stack up` (foreground and -d), status and "
      "down on a tiny .env; tests/test_demo.py runs the demo's `up -d`"),
@@ -108,6 +109,12 @@ SKIPS: tuple[tuple[str, str], ...] = (
     (r"^sudo ", "root on the GPU host's persistent disk (/lambda/nfs)"),
     (r"^curl -s localhost:9792", "the running stack's sidecar"),
     (r"^torchrun ", "the trainer's flags elided ('...'); tests/test_distributed.py runs the trainer under torchrun on CPU"),
+    (r"^x1 (launch|status|logs|fetch|down)\b",
+     "a rented instance over SSH: tests/test_launch.py runs them against the fake providers and SSH containers"),
+    (r"^x1 plan ", "python -m x1_pretrain.plan under another name: the plan commands above run it"),
+    (r"^python -m x1_pretrain\.dod x1-runs/<id>/run$",
+     "the run folder `x1 down` fetched: tests/test_launch.py runs dod on it (all six checks pass)"),
+    (r"^pip install \.$", "installs the project into the laptop's Python: make install does the same for this suite"),
     (r"^(LAMBDA|RUNPOD)_API_KEY=\.\.\. python -m x1_watchdog --mode provider ",
      "the provider's real API and instances; tests/test_watchdog_provider.py runs provider mode against the fake"),
 )

@@ -1,4 +1,4 @@
-"""dod: the six checks of SPEC §8 on the exported tiny run, and on doctored copies of it that
+"""dod: the six checks of docs/DESIGN.md §8 on the exported tiny run, and on doctored copies of it that
 must fail naming the check."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def run_copy(spiked_run: SpikedRun, tmp_path: Path) -> Path:
 
 
 def fitted_band(run_dir: Path) -> list[str]:
-    """A band around this tiny run's own final val loss (SPEC §8: short runs use their own)."""
+    """A band around this tiny run's own final val loss (docs/DESIGN.md §8: short runs use their own)."""
     val = json.loads((run_dir / "manifest.json").read_text())["final_val_loss"]
     return ["--band", f"{val - 0.5:.3f}", f"{val + 0.5:.3f}"]
 
@@ -133,9 +133,13 @@ def test_records_that_do_not_show_a_terminated_instance_fail_check_6(tmp_path: P
     assert not check.ok and "shows no terminated instance" in check.reason
 
 
-def test_a_screenshot_is_accepted_only_when_it_is_a_png(tmp_path: Path) -> None:
+def test_a_screenshot_is_accepted_only_when_it_is_a_png_with_a_note_and_says_it_is_not_verified(tmp_path: Path) -> None:
     Image.new("RGB", (64, 48), "white").save(tmp_path / "termination.png")
-    assert dod.check_termination(tmp_path).ok
+    alone = dod.check_termination(tmp_path)
+    assert not alone.ok and "has no termination-note.txt beside it" in alone.reason
+    (tmp_path / "termination-note.txt").write_text("Lambda instance 0920 terminated 2026-12-04 14:02 UTC; dashboard shows it.\n")
+    noted = dod.check_termination(tmp_path)
+    assert noted.ok and "NOT verified" in noted.reason
     (tmp_path / "termination.png").write_bytes(b"not a picture")
     check = dod.check_termination(tmp_path)
     assert not check.ok and "not a PNG" in check.reason

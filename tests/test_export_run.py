@@ -336,6 +336,29 @@ def test_force_replaces_the_export_and_keeps_the_persons_files(spiked_run: Spike
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temp or replaced folder left behind
 
 
+def test_export_run_force_into_the_workspace_replaces_nothing_it_did_not_write(
+        spiked_run: SpikedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--output the workspace itself: its budget.json (the sidecar's) has a name the export writes
+    but no earlier export wrote it, so the export is refused naming it, and the workspace, the
+    checkpoints and budget.json included, is unchanged byte for byte."""
+    workspace = tmp_path / "workspace"
+    shutil.copytree(spiked_run.root, workspace, ignore=shutil.ignore_patterns("run", "READY.json"))
+    assert (workspace / "budget.json").is_file() and (workspace / "checkpoints").is_dir()
+
+    def tree() -> dict[str, str]:
+        return {p.relative_to(workspace).as_posix(): sha256_file(p) if p.is_file() else "dir"
+                for p in sorted(workspace.rglob("*"))}
+
+    before = tree()
+    capsys.readouterr()
+    assert export_main("--mlflow-uri", spiked_run.uri, "--ckpt-dir", str(workspace / "checkpoints"),
+                       "--output", str(workspace), "--force") == 2
+    err = capsys.readouterr().err
+    assert "budget.json" in err and "nothing was replaced" in err, err
+    assert tree() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["workspace"]  # no temp folder left
+
+
 def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(spiked_run: SpikedRun, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -419,7 +442,7 @@ def test_the_predicted_val_loss_is_never_worse_than_a_uniform_guess(spiked_run: 
     assert manifest["planned_val_loss"]["value"] <= uniform
     from x1_pretrain.accounting import chinchilla_loss, predicted_loss
 
-    seed = predicted_loss(88.9e6, 84_000 * 524_288, 50257)  # the seed's 50M run: inside the fit, unchanged
+    seed = predicted_loss(88.9e6, 84_000 * 524_288, 50257)  # the lab's 50M run: inside the fit, unchanged
     assert seed.in_fit_range and seed.note is None and seed.value == chinchilla_loss(88.9e6, 84_000 * 524_288) < 3.5
 
 

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, TINY_CONFIG, cli_env, run_module, start_trainer, train_args
-from x1_common.contracts import Heartbeat
+from x1_common.contracts import ExitCode, Heartbeat
 from x1_pretrain import checkpoint as ckpt_mod
 from x1_pretrain import distributed as D
 from x1_pretrain.checkpoint import (
@@ -320,8 +320,8 @@ def test_a_full_disk_stops_the_trainer_cleanly_and_the_watchdog_gives_up_on_the_
     assert Checkpointer(ckpt, 3, CFG.model).verify(ckpt / "step_00000010") is None
     kept = tree_hash(ckpt / "step_00000010")
 
-    # Under the watchdog, as compose runs it: each relaunch fails at start-up, in seconds, and the
-    # give-up rule ends the loop (exit 1 is a crash: relaunched, counted, given up).
+    # Under the watchdog, as compose runs it: each relaunch fails at start-up, in seconds, with the
+    # same error: the second such launch is a start-up failure, final (exit 81), not a loop.
     logs = tmp_path / "logs"
     wd = subprocess.run(
         [sys.executable, "-m", "x1_watchdog", "--mode", "process", "--heartbeat-file", str(tmp_path / "heartbeat.json"),
@@ -331,10 +331,11 @@ def test_a_full_disk_stops_the_trainer_cleanly_and_the_watchdog_gives_up_on_the_
         capture_output=True, text=True, timeout=400, env=cli_env(), cwd=REPO)
     events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
-    assert kinds.count("start") == 3 and kinds[-1] == "give_up", (kinds, wd.stderr[-3000:])
-    assert wd.returncode == 1
-    assert wd.stderr.count("no space left on device at") >= 3
-    assert json.loads((logs / "state.json").read_text())["final"]["reason"] == "given-up"
+    assert kinds == ["start", "exit", "relaunch", "start", "exit", "startup_failure"], (kinds, wd.stderr[-3000:])
+    assert wd.returncode == ExitCode.STARTUP_FAILED
+    assert wd.stderr.count("no space left on device at") >= 2
+    final = json.loads((logs / "state.json").read_text())["final"]
+    assert final["reason"] == "startup-failure" and final["trainer_exit_code"] == 1
     assert not list(ckpt.glob(".tmp-step_*")) and tree_hash(ckpt / "step_00000010") == kept
 
 

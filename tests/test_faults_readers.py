@@ -313,7 +313,7 @@ def test_the_guard_never_judges_spend_below_the_meter_whatever_the_reading_claim
     assert decision.spent_usd is not None and decision.spent_usd >= meter - 1e-6, (decision, meter)
     if decision.exit_code == 77:
         # Spent over the cap (a time_scale > 1 bills faster): the guard exits at once, before any
-        # alert send (SPEC §6 rule 1); the watchdog alerts on the stop.
+        # alert send (docs/DESIGN.md §6 rule 1); the watchdog alerts on the stop.
         assert decision.spent_usd > guard.cap
         return
     if offset > CLOCK_SKEW_S:  # a reading from the future is suspect: the stale alert went out

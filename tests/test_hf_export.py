@@ -198,8 +198,59 @@ def test_existing_output_is_kept_unless_forced(tiny_export, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert (out / "keep.txt").exists()
     assert hf_export.main(["--checkpoint", str(ckpt / "model.safetensors"), "--output", str(out), "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "keep.txt").read_text() == "mine" and (out / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf"]  # no temp or old folder left
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): p.read_bytes().hex() if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
+
+
+def test_hf_export_force_keeps_files_it_did_not_write(tiny_export, tmp_path, capsys):
+    """--output pointing at the workspace itself: its checkpoints, tracking database and budget stay
+    byte for byte; a second --force replaces the first export's files, and removes those of them
+    the second one does not write (--no-tokenizer: the tokenizer files)."""
+    model, _ = tiny_export
+    workspace = tmp_path / "workspace"
+    ckpt = write_checkpoint(workspace, model)
+    (workspace / "mlflow.db").write_bytes(b"SQLite format 3\x00" + bytes(range(256)))
+    (workspace / "budget.json").write_text('{"spent_usd": 17.995}')
+    (workspace / "logs").mkdir()
+    (workspace / "logs" / "trainer.log").write_text("step 1\n")
+    theirs = tree(workspace)
+
+    assert hf_export.main(["--checkpoint", str(ckpt), "--output", str(workspace), "--force"]) == 0
+    after = tree(workspace)
+    assert {k: v for k, v in after.items() if k in theirs} == theirs
+    assert set(after) - set(theirs) == set(hf_export.EXPORT_FILES)
+
+    assert hf_export.main(["--checkpoint", str(ckpt), "--output", str(workspace), "--force", "--dtype", "bf16",
+                           "--no-tokenizer"]) == 0
+    again = tree(workspace)
+    assert {k: v for k, v in again.items() if k in theirs} == theirs
+    assert set(again) - set(theirs) == set(hf_export.EXPORT_FILES) - {
+        "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"}
+    assert json.loads((workspace / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["workspace"]  # no temp folder left
+
+
+def test_hf_export_force_refuses_files_of_its_names_that_no_export_wrote(tiny_export, tmp_path, capsys):
+    """A folder with a person's README.md and config.json but no export's model.safetensors: those
+    are not ours to replace. Exit 2 naming them; nothing in the folder changes, no temp left."""
+    model, _ = tiny_export
+    ckpt = write_checkpoint(tmp_path, model)
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "README.md").write_text("# my notes\n")
+    (out / "config.json").write_text('{"mine": true}')
+    before = tree(out)
+
+    assert hf_export.main(["--checkpoint", str(ckpt), "--output", str(out), "--force"]) == 2
+
+    err = capsys.readouterr().err
+    assert "README.md" in err and "config.json" in err and "nothing was replaced" in err, err
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "project"]
 
 
 @pytest.fixture

@@ -27,13 +27,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli_env, run_module, train_args, wait_for
+from x1_common import lease as L
 from x1_common.procs import stat_fields
-from x1_pretrain import lease as L
 
 HOLDER = """
 import sys, time, logging
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from x1_pretrain.lease import Lease, LeaseHeld
+from x1_common.lease import Lease, LeaseHeld
 try:
     Lease(sys.argv[1], stale_seconds=float(sys.argv[2])).acquire()
 except LeaseHeld as e:

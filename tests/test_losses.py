@@ -86,7 +86,7 @@ def test_the_head_functions_backward_scales_each_row_by_its_own_loss_gradient(de
     w = torch.randn(vocab, d, device=device).requires_grad_()
     targets = torch.randint(0, vocab, (40,), device=device)
     weights = torch.rand(40, device=device) * 3
-    (_HeadLoss.apply(h, w, targets, vocab, None) * weights).sum().backward()
+    (_HeadLoss.apply(h, w, targets, vocab, None, False) * weights).sum().backward()
     g_h, g_w = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
     (F.cross_entropy(h @ w.t(), targets, reduction="none") * weights).sum().backward()

@@ -1,4 +1,4 @@
-"""The 50M model of SPEC §4: sizes, FLOPs, causality, GQA, RoPE, tying, attention paths, learning."""
+"""The 50M model of docs/DESIGN.md §4: sizes, FLOPs, causality, GQA, RoPE, tying, attention paths, learning."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`plan`: the seed's pre-launch sentence, its refusal, and the numbers behind it."""
+"""`plan`: the pre-launch sentence, its refusal, and the numbers behind it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,17 @@ def test_plan_prints_the_seed_sentence():
     proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == (
-        "This will launch 1× A100 80GB spot on Lambda at $1.10/h, run ~24 h including setup = $26.40. "
+        "This will launch 1× A100 80GB on-demand on Lambda at $1.10/h, run ~24 h including setup = $26.40. "
         "Budget: $35. Confirmed acceptable, $8.60 buffer."
     )
     assert "Proposed: --total-steps" in proc.stdout
+
+
+def test_plan_states_when_the_forecast_first_judges_the_run():
+    # The 50M config: warm-up 1000, evals every 1800 steps: the second eval is the first with enough points.
+    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("final-loss forecast:"))
+    assert "first at step 3,600" in line and "--forecast-band (default 3.20-3.50)" in line and "exit 80" in line
 
 
 def test_plan_refuses_with_78_above_the_max_price():
@@ -26,12 +33,48 @@ def test_plan_refuses_with_78_above_the_max_price():
     assert "Refused" in proc.stdout and "max price $1.40/h" in proc.stdout
 
 
-def test_plan_refuses_when_the_projection_exceeds_the_budget():
+def test_plan_proposes_the_steps_the_budget_fits_and_bills_those_not_the_hours_asked():
+    # $1.30/h for 24 h is $31.20, plus $8 of other lines: over $35. The plan proposes fewer steps,
+    # and its sentence bills what those steps take, not 24 h x the price.
     proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.30", "--restart-buffer-usd", "5",
                       "--storage-usd", "2", "--egress-usd", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["verdict"] == "go" and plan["proposed_total_steps"] < int(plan["tokens"] // 524288)
+    assert plan["proposed_hours"] < 24 and plan["cost_usd"] == round(1.30 * plan["proposed_hours"], 2)
+    assert plan["total_usd"] <= 35 and plan["total_usd"] == round(plan["cost_usd"] + 8, 2)
+
+
+def test_plan_refuses_when_no_step_fits_the_budget():
+    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.30", "--storage-usd", "34.5", "--json")
     assert proc.returncode == 78
     plan = json.loads(proc.stdout)
-    assert plan["verdict"] == "refuse" and "over the budget" in plan["reasons"][0]
+    assert plan["verdict"] == "refuse" and "no step fits the budget" in plan["reasons"][0]
+
+
+def test_plan_off_the_default_path_uses_the_gpus_own_ceiling_and_advice_for_the_provider_asked():
+    h100 = ["--config", str(CONFIGS / "x1-50m-a100.yaml"), "--gpu", "h100-sxm", "--provider", "runpod"]
+    ok = run_module("x1_pretrain.plan", *h100, "--price-usd-per-hr", "2.69")
+    assert ok.returncode == 0, ok.stdout
+    assert ok.stdout.startswith("This will launch 1× H100 80GB SXM interruptible on RunPod at $2.69/h, run ~")
+    assert "$64.56" not in ok.stdout  # 24 h x $2.69: not what the proposed steps cost
+    high = run_module("x1_pretrain.plan", *h100, "--price-usd-per-hr", "6.00", "--json")
+    assert high.returncode == 78
+    reason = json.loads(high.stdout)["reasons"][0]
+    assert "over the max price $4.43/h for the H100 80GB SXM" in reason and "RunPod community" not in reason
+    assert "python -m budget_sidecar.price --provider runpod --wait" in reason
+    lam = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.50", "--json")
+    assert "RunPod interruptible pod" in json.loads(lam.stdout)["reasons"][0]
+    spot = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10", "--market", "spot")
+    assert spot.returncode == 2 and "Lambda sells on-demand instances" in spot.stderr
+
+
+def test_plan_says_which_loss_to_believe_against_the_dod_band():
+    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10", "--json")
+    plan = json.loads(proc.stdout)
+    assert plan["dod_band"] == [3.2, 3.5] and plan["predicted_val_loss"] < 3.2
+    assert f"fit's {plan['predicted_val_loss']:.2f} is below it" in plan["band_note"]
+    assert "believe the band" in plan["band_note"]
 
 
 def test_plan_json_has_the_numbers_and_only_json_on_stdout():
@@ -44,7 +87,7 @@ def test_plan_json_has_the_numbers_and_only_json_on_stdout():
         assert key in plan, key
     assert plan["verdict"] == "go" and plan["reasons"] == []
     assert plan["cost_usd"] == 26.40 and plan["buffer_usd"] == 8.60
-    # Throughput from the table, never the seed's impossible 500k on an A100; labelled as an estimate.
+    # Throughput from the table, never the lab's impossible 500k on an A100; labelled as an estimate.
     assert plan["tokens_per_sec"] < 300_000 and plan["tokens_per_sec_source"].startswith("estimate")
     assert plan["proposed_total_steps"] == int(plan["tokens"] // 524288)
     # Hoffmann's N counts all parameters: 88.9M, so the prediction is below ln(V) and above E.

@@ -119,7 +119,7 @@ def test_max_shards_limits_the_download_and_the_check(tmp_path):
 
 def test_fewer_than_the_seeds_96_warns_but_trusts_the_hub_listing(tmp_path, capsys):
     assert run(tmp_path, hub=FakeHub(shards=14)) == 0
-    assert "fewer than the seed's ~96" in capsys.readouterr().err
+    assert "fewer than the lab's ~96" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_fewer_than_the_seeds_96_warns_but_trusts_the_hub_listing(tmp_path, caps
         (96, 96, None, True, False),
         (95, 96, None, False, False),
         (0, 0, None, False, False),  # an empty listing is never a finished download
-        (14, 14, None, True, True),  # the hub is the authority; the seed's ~96 only warns
+        (14, 14, None, True, True),  # the hub is the authority; the lab's ~96 only warns
         (5, 96, 5, True, False),
         (4, 96, 5, False, False),
         (3, 3, 5, True, False),  # asked for more than exist: all of them is enough

@@ -1,4 +1,4 @@
-"""The seed's price rule as a command, against the fake billing API as a real process: 0 under the
+"""The lab's price rule as a command, against the fake billing API as a real process: 0 under the
 max, 78 over it, and --wait re-checking until the price comes down."""
 
 from __future__ import annotations
@@ -39,14 +39,23 @@ def run(cmd: list[str], **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_price_under_the_max_exits_0(lambda_fake: FakeBilling) -> None:
-    proc = run(price_cmd("--instance-type", "gpu_1x_a100_sxm4", "--max-usd-per-hr", "1.40", url=lambda_fake.url))
+    proc = run(price_cmd("--instance-type", "gpu_1x_a100_sxm4", "--max-price-usd-per-hr", "1.40", url=lambda_fake.url))
     assert proc.returncode == 0, proc.stderr
     assert "$1.10/h" in proc.stdout and "launch" in proc.stdout
 
 
+def test_the_flag_is_named_as_in_plan_and_train_and_the_old_spelling_still_works(lambda_fake: FakeBilling) -> None:
+    lambda_fake.control(price_usd_per_hr=1.30)
+    for flag in ("--max-price-usd-per-hr", "--max-usd-per-hr"):
+        proc = run(price_cmd("--instance-type", "gpu_1x_a100_sxm4", flag, "1.20", url=lambda_fake.url))
+        assert proc.returncode == 78 and "over the max $1.20/h" in proc.stdout, (flag, proc.stdout + proc.stderr)
+    assert "--max-price-usd-per-hr" in run(price_cmd("--help", url=lambda_fake.url)).stdout
+    assert "--max-usd-per-hr" not in run(price_cmd("--help", url=lambda_fake.url)).stdout
+
+
 def test_a_price_over_the_max_exits_78(lambda_fake: FakeBilling) -> None:
     lambda_fake.control(price_usd_per_hr=3.3)
-    proc = run(price_cmd("--instance-type", "gpu_1x_a100_sxm4", "--max-usd-per-hr", "1.40", url=lambda_fake.url))
+    proc = run(price_cmd("--instance-type", "gpu_1x_a100_sxm4", "--max-price-usd-per-hr", "1.40", url=lambda_fake.url))
     assert proc.returncode == 78
     assert "$3.30/h is over the max $1.40/h" in proc.stdout and "RunPod community" in proc.stdout
 
@@ -99,7 +108,7 @@ def test_runpod_reads_the_gpu_type_price(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, env, named", [
     (["--instance-type", "gpu_9x_nothing"], {}, "gpu_9x_nothing"),
     (["--instance-type", "gpu_1x_a100_sxm4"], {"LAMBDA_API_KEY": ""}, "LAMBDA_API_KEY"),
-    (["--instance-type", "gpu_1x_a100_sxm4", "--max-usd-per-hr", "-1"], {}, "--max-usd-per-hr"),
+    (["--instance-type", "gpu_1x_a100_sxm4", "--max-price-usd-per-hr", "-1"], {}, "--max-price-usd-per-hr"),
 ])
 def test_usage_errors_exit_2_naming_the_problem(lambda_fake: FakeBilling, args, env, named) -> None:
     proc = run(price_cmd(*args, url=lambda_fake.url), **env)

@@ -17,6 +17,7 @@ from x1_common.providers import (
     make_client,
     parse_lambda_instance,
     parse_runpod_pod,
+    ssh_address,
 )
 
 KEY = "prov-key-51c0de"
@@ -228,3 +229,34 @@ def test_api_key_from_env_names_the_missing_variable() -> None:
         api_key_from_env("lambda", {"LAMBDA_API_KEY": " "})
     with pytest.raises(ValueError, match="provider"):
         make_client("aws", None, "k")
+
+
+def test_runpod_create_deploys_a_pod_that_boots_then_shows_its_ssh_port(runpod_fake: FakeBilling) -> None:
+    client = fast(RunPodClient(runpod_fake.url, KEY))
+    pod = client.create("NVIDIA A100 80GB PCIe", "runpod/pytorch:2.4.0", name="x1-new",
+                        env={"PUBLIC_KEY": "ssh-ed25519 AAAA... me"}, docker_args="bash -c 'sleep infinity'")
+    assert pod.id != "pod-main" and pod.status == "booting"  # RUNNING without a runtime: the container starts
+    assert ssh_address(pod) is None
+    time.sleep(0.7)
+    up = client.get_instance(pod.id)
+    assert up.status == "running" and ssh_address(up) == ("192.0.2.10", 22)
+    create = runpod_fake.state()["create_calls"][-1]
+    assert create["instance_id"] == pod.id and create["gpuTypeId"] == "NVIDIA A100 80GB PCIe"
+    assert create["volumeMountPath"] == "/workspace" and create["dockerArgs"] == "bash -c 'sleep infinity'"
+    assert create["env_keys"] == ["PUBLIC_KEY"] and "env" not in create  # the fake keeps no env value
+    client.terminate(pod.id)
+
+
+def test_runpod_create_of_a_gpu_not_offered_is_a_clear_error(runpod_fake: FakeBilling) -> None:
+    with pytest.raises(ProviderError) as e:
+        fast(RunPodClient(runpod_fake.url, KEY)).create("NVIDIA B300", "img")
+    assert e.value.kind == "bad-request" and "no longer any instances available" in str(e.value)
+
+
+def test_lambda_ssh_address_is_the_ip_of_a_running_instance(lambda_fake: FakeBilling) -> None:
+    client = fast(LambdaClient(lambda_fake.url, KEY))
+    new_id = client.launch("gpu_1x_a100_sxm4", "us-east-1", name="x1-ip")
+    assert ssh_address(client.get_instance(new_id)) is None  # booting: no IP shown yet
+    time.sleep(0.7)
+    assert ssh_address(client.get_instance(new_id)) == ("192.0.2.10", 22)
+    client.terminate(new_id)

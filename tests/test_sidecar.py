@@ -190,6 +190,88 @@ def test_static_provider_bills_its_rate_on_its_own_clock_without_any_key(stack, 
     assert b["provider"] == "static" and b["stale"] is False
 
 
+def test_sidecar_restarted_with_another_provider_never_lowers_spend(stack) -> None:
+    # A switch to `static` to get round a failing API key must not reset the run's spend.
+    fake, sidecar = stack
+    f = fake()
+    s1 = sidecar(api_url=f.url)
+    budget_when(s1, lambda b: b["hours_elapsed"] >= 0.3, what="0.3 billed hours on lambda")
+    s1.stop()
+    before = json.loads(s1.output.read_text())["spent_usd"]
+    assert before >= 1.10 * 0.3 * 0.99
+    s2 = sidecar("static", extra=["--rate-usd-per-hr", "0.01"], key="")
+    seen = [before]
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        seen.append(json.loads(s2.output.read_text())["spent_usd"])  # what the trainer reads
+        time.sleep(0.1)
+    assert seen == sorted(seen), f"spend decreased after the provider change: {seen}"
+    after = budget_when(s2, lambda b: b["provider"] == "static" and b["stale"] is False, what="a static reading")
+    # Carried over, then counting on at the new rate: 0.01 $/h cannot explain $0.3 in two seconds.
+    assert before <= after["spent_usd"] <= before + 0.01 * 0.1 * 30
+    assert "provider changed from lambda to static: carrying over" in s2.log_text()
+    state = json.loads((s2.output.parent / "budget-state.json").read_text())
+    assert state["provider"] == "static" and state["spent_usd"] >= before
+
+
+def test_second_sidecar_on_one_budget_file_is_refused(stack, tmp_path: Path) -> None:
+    import subprocess
+
+    _, sidecar = stack
+    first = sidecar("static", extra=["--rate-usd-per-hr", "1.0"], key="")
+    budget_when(first, lambda b: b["spent_usd"] > 0)
+    # Another rate, HTTP off (a busy port is no refusal): only the shared budget.json can refuse it.
+    proc = subprocess.run(
+        [sys.executable, "-m", "budget_sidecar", "--provider", "static", "--rate-usd-per-hr", "0.5",
+         "--poll-seconds", str(POLL), "--output", str(first.output), "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"budget file {first.output} is in use by another budget sidecar" in proc.stderr
+    assert f"pid {first.proc.pid}" in proc.stderr and "Traceback" not in proc.stderr
+    # The first one kept writing alone: one rate, spend rising.
+    seen = []
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        seen.append(json.loads(first.output.read_text()))
+        time.sleep(0.1)
+    spent = [b["spent_usd"] for b in seen]
+    assert spent == sorted(spent) and {b["rate_usd_per_hr"] for b in seen} == {1.0}
+    assert first.alive()
+
+
+def test_a_sidecar_after_a_sigkilled_one_takes_its_budget_file_over(stack) -> None:
+    import signal
+
+    _, sidecar = stack
+    first = sidecar("static", extra=["--rate-usd-per-hr", "1.0"], key="")
+    spent = budget_when(first, lambda b: b["spent_usd"] > 0)["spent_usd"]
+    first.proc.send_signal(signal.SIGKILL)  # no clean exit: the lease is left behind
+    first.proc.wait(10)
+    second = sidecar("static", extra=["--rate-usd-per-hr", "1.0"], key="")
+    assert budget_when(second, lambda b: b["spent_usd"] >= spent)["stale"] is False
+    assert "taken over" in second.log_text()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o077, 0o600), (0o022, 0o644), (0o002, 0o664)])
+def test_atomic_writes_respect_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    import subprocess
+
+    output = tmp_path / "budget.json"
+    proc = subprocess.Popen([sys.executable, "-m", "budget_sidecar", "--provider", "static", "--rate-usd-per-hr", "1",
+                             "--poll-seconds", str(POLL), "--output", str(output), "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, umask=umask)
+    ledger = tmp_path / "budget-state.json"
+    try:
+        wait_until(lambda: output.exists() and ledger.exists(), 30, what="budget.json and its ledger")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    # 0666 through the user's umask, as any new file: budget.json and the ledger alike.
+    assert {p.name: p.stat().st_mode & 0o777 for p in (output, ledger)} == {output.name: mode, ledger.name: mode}
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_a_busy_port_is_a_warning_and_budget_json_is_still_written(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

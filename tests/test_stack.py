@@ -73,6 +73,8 @@ def test_help_explains_every_command():
     ({"TERMINATE_ON_FINISH": "yes"}, "TERMINATE_ON_FINISH='yes' must be 0 or 1"),
     ({"X1_CONFIG": "configs/nope.yaml"}, "X1_CONFIG='configs/nope.yaml': no such file"),
     ({"BUDGET_ALERT_USD": "40"}, "BUDGET_ALERT_USD=40 is above BUDGET_CAP_USD=35"),
+    ({"NNODES": "two"}, "NNODES='two' is not a whole number"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "10.19.0.5:29400"}, "NNODES=2 needs RDZV_ENDPOINT (HOST:PORT of one host) and RDZV_ID"),
 ])
 def test_bad_settings_are_refused_naming_the_variable(tmp_path, tiny_data, capsys, monkeypatch, settings, message):
     monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
@@ -104,6 +106,129 @@ def test_status_and_down_where_no_stack_ever_ran(tmp_path):
     assert status.returncode == 1 and "not running" in status.stdout and "no heartbeat yet" in status.stdout
     down = stack("down", "--workspace", str(tmp_path), timeout=60)
     assert down.returncode == 0 and f"no stack is running in {tmp_path}" in down.stdout
+
+
+def test_a_read_only_workspace_is_refused_with_exit_2_naming_it(tmp_path, tiny_data):
+    ws = tmp_path / "ws"
+    shutil.copytree(tiny_data, ws / "data" / "tokenized")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = os.geteuid() == 0 and shutil.which("mount") and subprocess.run(
+        ["mount", "--bind", str(ws), str(ro)], capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("a read-only mount needs root and mount")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode != 0:
+            pytest.skip("this kernel refused a read-only bind mount")
+        env_file = write_env(tmp_path / ".env", **tiny_settings())
+        for detach in ([], ["-d"]):
+            proc = stack("up", *detach, "--env-file", str(env_file), "--workspace", str(ro), timeout=60)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert f"workspace {ro}: cannot write in {ro} (Read-only file system)" in proc.stderr
+            assert "Traceback" not in proc.stderr
+        assert sorted(p.name for p in ws.iterdir()) == ["data"]
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def test_a_wrong_api_key_is_reported_by_up_d_at_once_with_the_providers_answer(tmp_path, tiny_data):
+    from budget_sidecar.testing import FakeBilling
+
+    ws = tmp_path / "ws"
+    shutil.copytree(tiny_data, ws / "data" / "tokenized")
+    fake = FakeBilling.start(tmp_path / "fake", provider="lambda", instance_id="inst-1", api_key="sk-right-0c9d8e7f")
+    wrong = "sk-wrong-1a2b3c4d"
+    try:
+        settings = tiny_settings(PROVIDER="lambda", RATE_USD_PER_HR="", INSTANCE_ID="inst-1", LAMBDA_API_KEY=wrong,
+                                 PROVIDER_API_URL=fake.url)
+        env_file = write_env(tmp_path / ".env", **settings)
+        started = time.monotonic()
+        proc = stack("up", "-d", "--no-prometheus", "--env-file", str(env_file), "--workspace", str(ws), timeout=200)
+        took = time.monotonic() - started
+    finally:
+        fake.stop()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert took < 120, f"{took:.0f} s: it waited for a timeout"  # the timeout is 300 s
+    assert "the budget sidecar cannot read the spend" in out and "HTTP 401" in out and "check LAMBDA_API_KEY" in out
+    assert "timed out" not in out and wrong not in out
+    assert stack("status", "--workspace", str(ws), timeout=60).returncode == 1  # nothing left running
+
+
+def test_a_port_another_stack_holds_fails_the_port_check_while_its_server_is_down(tmp_path, tiny_data, monkeypatch):
+    # The first stack's trainer is between a crash and its relaunch: its metrics port is free to
+    # bind, but is that stack's. A second stack given the same port must not pass.
+    ports_dir = tmp_path / "ports"
+    monkeypatch.setattr(stack_mod, "PORTS_DIR", ports_dir)
+    other = stack_mod.PortReservation()
+    port = free_port()
+    assert other.claim(port, tmp_path / "first-ws") is None
+    try:
+        ws = tmp_path / "ws"
+        shutil.copytree(tiny_data, ws / "data" / "tokenized")
+        env_file = write_env(tmp_path / ".env", **{**tiny_settings(), "TRAINER_METRICS_HOST_PORT": str(port)})
+        proc = stack("up", "-d", "--no-prometheus", "--env-file", str(env_file), "--workspace", str(ws), timeout=120,
+                     env=cli_env(X1_STACK_PORTS_DIR=str(ports_dir)))
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert (f"TRAINER_METRICS_HOST_PORT={port} (trainer) is claimed by the X1 stack in {tmp_path / 'first-ws'} "
+                f"(runner pid {os.getpid()})") in proc.stderr
+        assert not (ws / "logs" / "mlflow-server.log").exists()  # refused before any service started
+    finally:
+        other.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# A trainer that cannot start: two launches, then the start-up failure decision, not a loop
+
+# An install whose trainer module cannot load (a CUDA library missing from the image, say): on
+# PYTHONPATH, so it reaches the trainer the way the rest of the runner's environment does.
+BROKEN_INSTALL = """\
+import importlib.abc
+import sys
+
+
+class MissingCudaRuntime(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "x1_pretrain.train":
+            raise ImportError("libcudart.so.13: cannot open shared object file: No such file or directory")
+        return None
+
+
+sys.meta_path.insert(0, MissingCudaRuntime())
+"""
+
+
+@pytest.mark.slow
+def test_trainer_that_cannot_start_is_stopped_after_two_launches_and_status_shows_the_startup_failure(
+        tmp_path, tiny_data):
+    ws = stack_mod.Workspace(tmp_path / "ws")
+    shutil.copytree(tiny_data, ws.tokenized)
+    broken = tmp_path / "broken-install"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(BROKEN_INSTALL)
+    env_file = write_env(tmp_path / ".env", **tiny_settings())
+    env = cli_env(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(broken), os.environ.get("PYTHONPATH")])))
+    proc = stack("up", "-d", "--env-file", str(env_file), "--workspace", str(ws.root), env=env)
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        final = wait_for(lambda: (stack_mod.read_json(ws.state_file) or {}).get("final"), 180, "the watchdog's decision")
+        assert (final["exit_code"], final["reason"], final["trainer_exit_code"]) == (81, "startup-failure", 1)
+        assert "libcudart.so.13: cannot open shared object file" in final["error"]
+        kinds = [e["event"] for e in stack_mod.read_events(ws)]
+        assert kinds == ["start", "exit", "relaunch", "start", "exit", "startup_failure"]
+
+        status = stack("status", "--workspace", str(ws.root), timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr  # the stack is up; the watchdog holds
+        assert "watchdog's last decision: start-up failure: the trainer exited 1 before its first step" in status.stdout
+        assert "final decision: startup-failure (exit 81" in status.stdout
+        assert f"the trainer's error: {final['error']}" in status.stdout
+        wait_for(lambda: "final decision: startup-failure (exit 81)" in ws.log("stack").read_text(), 30,
+                 "the runner's report")
+        time.sleep(3)
+        assert [e["event"] for e in stack_mod.read_events(ws)] == kinds  # no third launch
+        assert stack_mod.trainer_pid(ws) is None
+    finally:
+        stack("down", "--workspace", str(ws.root))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,6 +245,19 @@ def test_the_env_file_is_read_as_compose_reads_it_and_the_shell_wins(tmp_path):
         S.Settings.load(tmp_path / "absent.env", environ={})
 
 
+def test_env_error_names_the_key_not_the_value(tmp_path):
+    # A secret typed with ':' for '=' (or pasted alone on a line): the error names the line's key.
+    env_file = tmp_path / ".env"
+    for line, named in (("SMTP_PASSWORD: hunter2-s3cret\n", "'SMTP_PASSWORD'"), ("SMTP_PASSWORD hunter2\n", "'SMTP_PASSWORD'"),
+                        ("hunter2-s3cret\n", "no KEY"), ("hunter2s3cret\n", "no KEY"), ("hunter2 pw\n", "no KEY")):
+        env_file.write_text(f"PROVIDER=static\n{line}")
+        proc = subprocess.run([sys.executable, "-m", "x1_pretrain.stack", "up", "--env-file", str(env_file),
+                               "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == 2, proc.stderr
+        assert f"{env_file}:2: not KEY=VALUE" in proc.stderr and named in proc.stderr
+        assert "hunter2" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_every_setting_compose_reads_has_the_same_default_in_the_definition():
     raw = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
     text = yaml.safe_dump(raw)
@@ -253,8 +266,10 @@ def test_every_setting_compose_reads_has_the_same_default_in_the_definition():
         compose_defaults.setdefault(m.group(1), set()).add(m.group(2) or "")
     ours = set(S.DEFAULTS)
     for name, defaults in compose_defaults.items():
-        if name in ("DOCKER_GID", "X1_WORKSPACE", "NGC_PYTORCH_TAG", "PYTHON_IMAGE", "TRAINER_FLOAT8", "TRAINER_SHM_SIZE",
+        if name in ("DOCKER_GID", "X1_WORKSPACE", "TORCH_VERSION", "TORCH_CUDA", "PYTHON_IMAGE", "TRAINER_FLOAT8", "TRAINER_SHM_SIZE",
                     "GRAFANA_HOST_PORT") or name.startswith("GF_"):
             continue  # build, volume and Grafana settings: not part of a service's command or environment
         assert name in ours, f"compose.yaml reads {name}; x1_common.services.DEFAULTS does not know it"
+        if name == "RESULTS_DIR":  # the watchdog's /results mount needs a host path even when unset (unused then)
+            defaults = defaults - {"/tmp/x1-results-unset"}
         assert defaults == {S.DEFAULTS[name]}, f"{name}: compose's default {defaults} vs {S.DEFAULTS[name]!r}"

@@ -2,7 +2,7 @@
 their pinned requirements, the trainer's launcher, Prometheus and Grafana.
 
 - compose.yaml validates against the Compose Specification (check-jsonschema's vendored schema,
-  no network), has the shape of SPEC §2, and every command it runs is accepted by the real CLI;
+  no network), has the shape of docs/DESIGN.md §2, and every command it runs is accepted by the real CLI;
 - the Dockerfiles pass hadolint at error level, pin their base images and their requirements;
 - Prometheus' config and rules pass promtool (and the rules' own unit tests); every metric the
   rules and the Grafana dashboard query is one the services export (x1_common.contracts);
@@ -284,6 +284,8 @@ def test_env_example_defaults_match_compose_defaults(raw_compose):
     for m in _VARIABLE.finditer(COMPOSE_FILE.read_text(encoding="utf-8")):
         if m.group("name") and m.group("op") == ":-":
             defaults.setdefault(m.group("name"), set()).add(m.group("arg"))
+    # The watchdog's /results mount needs a host path even when RESULTS_DIR is unset (unused then).
+    defaults.get("RESULTS_DIR", set()).discard("/tmp/x1-results-unset")
     for name, values in defaults.items():
         assert len(values) == 1, f"compose.yaml gives {name} two defaults: {values}"
         default = values.pop()
@@ -338,7 +340,7 @@ def test_trainer_command_is_the_seeds_and_the_trainer_accepts_it(compose):
     from x1_pretrain.train import build_parser, config_from_args
 
     args = build_parser().parse_args(command[1:])
-    cfg = config_from_args(args)  # the config file inside the image, with the seed's overrides
+    cfg = config_from_args(args)  # the config file inside the image, with the lab's overrides
     assert cfg.train.total_steps == 84000
     assert args.metrics_port == C.TRAINER_METRICS_PORT
 
@@ -506,12 +508,14 @@ def test_dockerfile_base_image_is_pinned_and_user_is_not_root(name):
     assert users and users[-1] not in ("root", "0", "0:0"), f"{name}: runs as root"
 
 
-def test_trainer_image_is_ngc_pytorch_2410_by_default_and_selectable():
+def test_trainer_image_is_the_python_base_with_the_pinned_torch_checked_after_every_install():
     text = DOCKERFILES["trainer"].read_text(encoding="utf-8")
-    assert dockerfile_base_images(DOCKERFILES["trainer"]) == ["nvcr.io/nvidia/pytorch:24.10-py3"]
-    assert re.search(r"^ARG NGC_PYTORCH_TAG=24\.10-py3$", text, re.M)
-    # The image's torch and numpy are constrained to what is installed, and checked afterwards.
-    assert "grep -iE '^(torch|numpy)=='" in text and "cmp - /tmp/x1-keep.txt" in text
+    assert dockerfile_base_images(DOCKERFILES["trainer"]) == ["python:3.11.11-slim-bookworm"]
+    assert re.search(r"^ARG TRAINER_BASE_IMAGE=\$\{PYTHON_IMAGE\}$", text, re.M)
+    # torch is installed at the pin, held while the requirements install, and checked after each step.
+    assert 'pip install --no-cache-dir "torch==${TORCH_VERSION}"' in text
+    assert "grep -iE '^torch==' > /tmp/x1-keep.txt" in text and "-c /tmp/x1-keep.txt" in text
+    assert text.count('x1-torch-pin --version "${TORCH_VERSION}" --cuda "${TORCH_CUDA}"') == 3
 
 
 @pytest.mark.parametrize("name", ["budget-sidecar", "watchdog", "mlflow-server"])
@@ -554,9 +558,8 @@ def pyproject_extra(extra: str) -> dict[str, Requirement]:
     return {canonicalize_name(Requirement(r).name): Requirement(r) for r in data["project"]["optional-dependencies"][extra]}
 
 
-# The trainer keeps the NGC image's own numpy (built with its torch); pyyaml and tqdm come with the
-# image too. See trainer/requirements.txt.
-IMAGE_PROVIDED = {"trainer": {"numpy", "pyyaml", "tqdm"}}
+# The trainer image installs torch itself, before its requirements (trainer/Dockerfile).
+IMAGE_PROVIDED = {"trainer": {"torch"}}
 
 
 @pytest.mark.parametrize(("folder", "extra"), [
@@ -607,10 +610,10 @@ def installed_requires(name: str, env: dict[str, str]) -> list[Requirement]:
 
 
 def test_trainer_requirements_never_pull_torch():
-    """The NGC image's torch must survive the install: nothing in the closure may ask for torch."""
+    """The image's pinned torch must survive the install: nothing in the closure may ask for torch."""
     pins = pinned(REPO / "trainer" / "requirements.txt")
-    assert "torch" not in pins and "numpy" not in pins
-    env = {"python_version": "3.10", "python_full_version": "3.10.12", "sys_platform": "linux",
+    assert "torch" not in pins
+    env = {"python_version": "3.11", "python_full_version": "3.11.11", "sys_platform": "linux",
            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
            "implementation_name": "cpython", "platform_python_implementation": "CPython"}
     seen, todo = set(), list(pins)
@@ -625,8 +628,8 @@ def test_trainer_requirements_never_pull_torch():
     assert {"mlflow-skinny", "huggingface-hub", "tiktoken"} <= seen
 
 
-def test_trainer_pins_support_python_310():
-    """NGC 24.10 runs Python 3.10: every pin installed here at the same version must admit it."""
+def test_trainer_pins_support_the_images_python():
+    """The trainer image runs Python 3.11 (its base): every pin installed here at the same version must admit it."""
     from importlib import metadata
 
     for name, req in pinned(REPO / "trainer" / "requirements.txt").items():
@@ -638,7 +641,7 @@ def test_trainer_pins_support_python_310():
             continue
         requires_python = dist.metadata.get("Requires-Python")
         if requires_python:
-            assert SpecifierSet(requires_python).contains("3.10.12"), f"{name}=={dist.version}: Requires-Python {requires_python}"
+            assert SpecifierSet(requires_python).contains("3.11.11"), f"{name}=={dist.version}: Requires-Python {requires_python}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -806,6 +809,7 @@ def test_grafana_dashboard_shows_what_spec_asks_for():
     assert {
         C.M_TRAIN_TOKENS_PER_SECOND, C.M_TRAIN_MFU, C.M_TRAIN_LOSS, C.M_TRAIN_VAL_LOSS,
         C.M_BUDGET_SPENT, C.M_BUDGET_CAP, C.M_BUDGET_PROJECTED, C.M_WATCHDOG_RESTARTS + "_total",
+        C.M_TRAIN_FORECAST, C.M_TRAIN_FORECAST_LOW, C.M_TRAIN_FORECAST_HIGH,
     } <= queried
 
 

@@ -28,6 +28,7 @@ import x1_pretrain.kernels as kernels  # noqa: E402
 import x1_pretrain.losses as losses  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+SHARED_MEMORY_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}  # bytes: A100, H100/H200 (CUDA's opt-in maximum)
 P = "*bf16"  # tensors as the training step passes them
 
 
@@ -82,12 +83,17 @@ LAUNCHES += [(kernel, signature, ({**constants, "HAS_SCALE": False}, warps))
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
 @pytest.mark.parametrize("arch", [80, 90], ids=["ampere", "hopper"])
-def test_every_kernel_compiles_for_ampere_and_hopper(arch):
+def test_every_kernel_compiles_for_ampere_and_hopper_within_its_shared_memory(arch):
     for kernel, signature, (constants, warps) in LAUNCHES:
         signature = dict(signature, **{name: "constexpr" for name in constants})
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                   target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin for sm_{arch}"
+        # What one program may take: an A100 has 164 KB of shared memory per SM (163 KB for one
+        # block), an H100/H200 228 KB (227 KB). A kernel tuned on the H200 must still launch on an A100.
+        assert compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK[arch], \
+            f"{kernel.__name__}: {compiled.metadata.shared} bytes of shared memory on sm_{arch}"
+        assert warps * 32 <= 1024
 
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")

@@ -1,4 +1,4 @@
-"""The watchdog in process mode, supervising tests/stub_trainer.py: SPEC §3's decision table,
+"""The watchdog in process mode, supervising tests/stub_trainer.py: docs/DESIGN.md §3's decision table,
 stalls, signal forwarding, give-up with an alert, the state a restarted watchdog honours, and
 its Prometheus page. Real processes, signals, files and sockets throughout."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, cli_env, free_port, run_module, wait_for
 from receivers import WebhookReceiver
-from x1_common.contracts import end_reason
+from x1_common.contracts import ExitCode, end_reason
 
 STUB = Path(__file__).with_name("stub_trainer.py")
 
@@ -157,7 +158,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC §3: final codes stop, and stay stopped
+# docs/DESIGN.md §3: final codes stop, and stay stopped
 
 
 @pytest.fixture
@@ -178,7 +179,7 @@ def test_final_exit_code_is_never_relaunched_even_by_a_restarted_watchdog(wd: Wo
     exit_event = wd.events[1]
     assert exit_event["exit_code"] == code and exit_event["reason"] == end_reason(code)
     assert wd.state["final"]["exit_code"] == code
-    # SPEC §3: budget stops, a refused launch and a divergence are alerted; a finish and a bad config are not.
+    # docs/DESIGN.md §3: budget stops, a refused launch and a divergence are alerted; a finish and a bad config are not.
     assert len(slack.posts) == (1 if code in (76, 77, 78, 79) else 0)
 
     # compose (or a reboot) restarts the watchdog: it reads the decision and launches nothing.
@@ -232,6 +233,127 @@ def test_trainer_that_crashes_every_time_is_given_up_after_max_restarts_with_an_
     # A restarted watchdog honours the give-up.
     assert wd.run(["--steps", "5", "--crash"], env=env) == 1
     assert len(wd.starts) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up failures: the same error twice before the first step stops the relaunches
+
+# The error of a trainer whose torch lacks a call it needs; {addr} differs in every process, as
+# the repr of an object does, and the stub's goodbye line after the traceback carries the time.
+ADDMM = "addmm() got an unexpected keyword argument 'out_dtype' (tensor at {addr})"
+ADDMM_LINE = r"TypeError: addmm\(\) got an unexpected keyword argument 'out_dtype' \(tensor at 0x[0-9a-f]+\)"
+
+
+def test_same_startup_error_twice_stops_relaunching_with_exit_code_81_and_one_alert(wd: Workdir, slack: WebhookReceiver):
+    env = cli_env(SLACK_WEBHOOK_URL=slack.url)
+    trainer_log = wd.root / "trainer.log"
+    stub = ["--fail-at-startup", "--error", ADDMM]
+    rc = wd.run(stub, "--trainer-log", str(trainer_log), "--max-restarts", "10", env=env)
+    assert rc == ExitCode.STARTUP_FAILED == 81, wd.log()
+    assert wd.kinds() == ["start", "exit", "relaunch", "start", "exit", "startup_failure"]
+    assert len(wd.starts) == 2 and wd.starts[1]["argv"].count("--resume-from-latest") == 1
+    first, second = (e for e in wd.events if e["event"] == "exit")
+    for e in (first, second):
+        assert e["exit_code"] == 1 and e["progress"] == "still at step 0"
+        assert re.fullmatch(ADDMM_LINE, e["error"]), e  # the traceback's line, not the goodbye after it
+    assert first["error"] != second["error"]  # two addresses, one error
+    decision = wd.events[-1]
+    assert (decision["exit_code"], decision["error"], decision["alerted"]) == (1, second["error"], ["webhook"])
+
+    final = wd.state["final"]
+    assert (final["exit_code"], final["reason"], final["trainer_exit_code"]) == (81, "startup-failure", 1)
+    assert final["error"] == second["error"]
+    assert len(slack.posts) == 1
+    assert "trainer cannot start" in slack.posts[0]["text"] and second["error"] in slack.posts[0]["text"]
+
+    # The decision is final: a restarted watchdog launches nothing and does not alert again.
+    assert wd.run(stub, "--trainer-log", str(trainer_log), env=env) == 81
+    assert len(wd.starts) == 2 and len(slack.posts) == 1 and "final decision" in wd.log()
+
+
+def test_without_a_trainer_log_two_startup_crashes_with_the_same_code_are_a_startup_failure(
+        wd: Workdir, slack: WebhookReceiver):
+    rc = wd.run(["--fail-at-startup", "--error", ADDMM], env=cli_env(SLACK_WEBHOOK_URL=slack.url))
+    assert rc == 81, wd.log()
+    assert re.search(ADDMM_LINE, wd.log())  # the output went to the watchdog's own, unread
+    assert wd.state["final"]["error"] == "" and len(wd.starts) == 2
+    assert len(slack.posts) == 1 and "--trainer-log" in slack.posts[0]["text"]
+
+
+def test_the_error_line_is_the_tracebacks_or_the_last_error_and_times_addresses_pids_do_not_count():
+    from x1_watchdog.policy import StartupFailure, error_line
+
+    traceback = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n    main()\n"
+                 "TypeError: addmm() got an unexpected keyword argument 'out_dtype'\n"
+                 "View run tiny-20261204-201201 at: http://127.0.0.1:5000/#/experiments/1\n")
+    assert error_line(traceback) == "TypeError: addmm() got an unexpected keyword argument 'out_dtype'"
+    logged = ("2026-12-04 20:12:01,123 INFO x1.train: preflight ok\n"
+              "2026-12-04 20:12:02,456 ERROR x1.train: setup failed: [Errno 28] No space left on device; exit 1\n"
+              "shutting down\n")
+    assert error_line(logged).endswith("ERROR x1.train: setup failed: [Errno 28] No space left on device; exit 1")
+    assert error_line("") == "" and error_line("just this\n\n") == "just this"
+
+    one = StartupFailure.from_output(1, logged)
+    later = StartupFailure.from_output(1, logged.replace("20:12:02,456", "20:14:40,001"))
+    assert one.error != later.error and later.same_as(one.to_dict())
+    assert not StartupFailure.from_output(2, logged).same_as(one.to_dict())  # another exit code
+    pids = [StartupFailure.from_output(1, f"RuntimeError: worker (pid {n}) at 0x7f{n:x} died\n") for n in (11, 12)]
+    assert pids[1].same_as(pids[0].to_dict())
+    assert not StartupFailure.from_output(1, "RuntimeError: CUDA error on device 1\n").same_as(
+        StartupFailure.from_output(1, "RuntimeError: CUDA error on device 2\n").to_dict())
+
+
+def test_resumed_trainer_that_dies_before_its_first_new_step_twice_is_a_startup_failure(wd: Workdir):
+    # A run in progress: stopped (SIGTERM forwarded) after a few steps, its progress saved.
+    proc = wd.start(["--steps", "20", "--step-seconds", "0.1"])
+    first = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the trainer")
+    wait_until(lambda: wd.heartbeat_of(first, 3), 30, "step 3")
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(30) == 75, wd.log()
+    saved = json.loads(wd.progress.read_text())["step"]
+
+    # The next start resumes from that step and dies there, twice: no new step, the same error.
+    rc = wd.run(["--steps", "20", "--fail-at-startup", "--error", ADDMM], "--trainer-log", str(wd.root / "t.log"))
+    assert rc == 81, wd.log()
+    assert [s["from_step"] for s in wd.starts] == [0, saved, saved]
+    assert all(s["argv"].count("--resume-from-latest") == 1 for s in wd.starts[1:])
+    assert [e["progress"] for e in wd.events if e["event"] == "exit"][1:] == [f"still at step {saved}"] * 2
+
+
+def test_different_startup_errors_keep_being_relaunched_until_max_restarts(wd: Workdir):
+    rc = wd.run(["--fail-at-startup", "--error", "CUDA error: out of memory on attempt {start}"],
+                "--trainer-log", str(wd.root / "trainer.log"), "--max-restarts", "3")
+    assert rc == 1, wd.log()
+    assert wd.kinds()[-1] == "give_up" and len(wd.starts) == 4  # today's rule: --max-restarts
+    errors = [e["error"] for e in wd.events if e["event"] == "exit"]
+    assert errors == [f"TypeError: CUDA error: out of memory on attempt {n}" for n in (1, 2, 3, 4)]
+    assert wd.state["final"]["reason"] == "given-up"
+
+
+def test_same_error_after_progress_is_a_crash_relaunched_until_max_restarts(wd: Workdir):
+    rc = wd.run(["--steps", "20", "--step-seconds", "0.01", "--crash", "--error", ADDMM],
+                "--trainer-log", str(wd.root / "trainer.log"), "--max-restarts", "3")
+    assert rc == 1, wd.log()
+    assert wd.kinds()[-1] == "give_up" and len(wd.starts) == 4
+    exits = [e for e in wd.events if e["event"] == "exit"]
+    assert all(e["exit_code"] == 1 and "error" not in e for e in exits), exits
+    assert [s["from_step"] for s in wd.starts] == [0, 1, 2, 3]  # a step each time: progress
+
+
+def test_preemptions_before_the_first_step_keep_being_relaunched(wd: Workdir):
+    # SIGTERM during start-up each time (a flaky spot host): exit 75 is a preemption, whatever the step.
+    proc = wd.start(["--steps", "3", "--startup-seconds", "30"], "--trainer-log", str(wd.root / "trainer.log"),
+                    "--max-restarts", "5")
+    for n in range(1, 4):
+        pid = wait_until(lambda n=n: len(wd.starts) >= n and wd.starts[n - 1]["pid"], 30, f"start {n}")
+        wait_until(lambda pid=pid: alive(pid) and Path(f"/proc/{pid}/cmdline").exists(), 10, "the stub")
+        os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: len(wd.starts) >= 4, 30, "the fourth start")
+    kinds = wd.kinds()
+    assert kinds.count("relaunch") == 3 and "startup_failure" not in kinds and proc.poll() is None
+    assert [e["exit_code"] for e in wd.events if e["event"] == "exit"] == [75, 75, 75]
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(30) == 75
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,6 +478,33 @@ def test_trainer_left_by_a_killed_watchdog_is_stopped_before_the_next_one_starts
     assert orphan_end["exit"] == 75 and orphan_end["time"] < second["time"]
     assert second["from_step"] == orphan_end["step"] and second["argv"].count("--resume-from-latest") == 1
     assert json.loads(wd.progress.read_text())["step"] == 14
+
+
+def test_second_watchdog_on_one_state_file_is_refused_and_signals_nothing(wd: Workdir):
+    stub = ["--steps", "400", "--step-seconds", "0.05"]
+    first = wd.start(stub)
+    trainer = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the trainer")
+    wait_until(lambda: wd.heartbeat_of(trainer, 2), 30, "step 2")
+
+    assert wd.run(stub, timeout=60) == 2, wd.log()
+    second_log = wd.log()
+    assert f"state file {wd.state_file} is in use by another watchdog" in second_log
+    assert f"pid {first.pid}" in second_log and "Traceback" not in second_log
+    # Nothing signalled, nothing started: the first one's run goes on.
+    assert alive(trainer) and first.poll() is None
+    assert [s["pid"] for s in wd.starts] == [trainer] and not wd.ends
+    step = json.loads(wd.progress.read_text())["step"]
+    wait_until(lambda: json.loads(wd.progress.read_text())["step"] > step, 30, "the trainer stepping on")
+
+
+def test_a_watchdog_after_a_sigkilled_one_takes_its_state_file_over(wd: Workdir):
+    stub = ["--steps", "6", "--step-seconds", "0.05"]
+    proc = wd.start(stub)
+    orphan = wait_until(lambda: wd.starts and wd.starts[0]["pid"], 30, "the trainer")
+    os.kill(proc.pid, signal.SIGKILL)  # its lease stays behind, held by no one
+    proc.wait(10)
+    assert wd.run(stub) == 0, wd.log()
+    assert "taken over from watchdog" in wd.log() and not alive(orphan)
 
 
 # --------------------------------------------------------------------------------------------

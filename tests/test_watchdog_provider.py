@@ -116,6 +116,52 @@ def test_failed_terminate_is_alerted_and_retried_by_a_restarted_watchdog(wd: Wor
     assert len(wd.starts) == 1  # the finished run was not relaunched to get there
 
 
+def instance_volume_with_a_run_folder(root: Path) -> Path:
+    """The instance's workspace volume holding the trainer's exported run folder (a manifest and a file)."""
+    run = root / "instance-volume" / "run"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"format": 1, "end": "finished", "files": {}}))
+    (run / "final.safetensors").write_bytes(bytes(range(256)) * 64)
+    return run
+
+
+def test_run_folder_survives_a_terminate_on_finish(wd: Workdir, fakes: Callable[..., FakeBilling]):
+    fake = fakes("lambda", "inst-1")
+    run = instance_volume_with_a_run_folder(wd.root)
+    weights = (run / "final.safetensors").read_bytes()
+    persistent = wd.root / "persistent-fs"
+    rc = wd.run(["--steps", "1", "--step-seconds", "0.05"], "--terminate-on-finish", "--provider", "lambda",
+                "--api-url", fake.url, "--instance-id", "inst-1", "--termination-file", str(wd.root / "t.json"),
+                "--run-dir", str(run), "--keep-run-dir", str(persistent), env=provider_env("lambda"))
+    assert rc == 0, wd.log()
+    assert fake.state()["instances"]["inst-1"]["status"] == "terminated"
+    shutil.rmtree(wd.root / "instance-volume")  # what the terminate does to the instance's disk
+
+    kept = persistent / "run-inst-1"
+    assert (kept / "final.safetensors").read_bytes() == weights
+    assert json.loads((kept / "termination.json").read_text())["instance_id"] == "inst-1"
+    assert json.loads((kept / "manifest.json").read_text())["termination"]["instance_id"] == "inst-1"
+    assert "copied to" in wd.log() and "every file verified" in wd.log()
+    assert [p.name for p in persistent.iterdir()] == ["run-inst-1"]  # no temp folder left
+
+
+def test_terminate_on_finish_refuses_while_run_folder_is_only_on_the_instance_volume(
+        wd: Workdir, fakes: Callable[..., FakeBilling]):
+    fake = fakes("lambda", "inst-1")
+    run = instance_volume_with_a_run_folder(wd.root)
+    rc = wd.run(["--steps", "1", "--step-seconds", "0.05"], "--terminate-on-finish", "--provider", "lambda",
+                "--api-url", fake.url, "--instance-id", "inst-1", "--termination-file", str(wd.root / "t.json"),
+                "--run-dir", str(run), env=provider_env("lambda"))
+    assert rc == 0, wd.log()
+    assert fake.state()["terminate_calls"] == []  # the instance, and the folder on it, are still there
+    assert fake.state()["instances"]["inst-1"]["status"] != "terminated"
+    log = wd.log()
+    assert "terminate of instance inst-1 REFUSED" in log and "only on this instance's volume" in log
+    assert "RESULTS_DIR" in log and "still billing" in log  # the alert says what to do
+    assert wd.events[-1]["event"] == "terminate" and wd.events[-1]["refused"] is True
+    assert not (wd.root / "t.json").exists() and (run / "manifest.json").is_file()
+
+
 # --------------------------------------------------------------------------------------------
 # Provider mode
 
@@ -255,7 +301,8 @@ def test_the_finish_leaves_a_run_folder_that_passes_all_six_checks_after_the_ter
             [sys.executable, "-m", "x1_watchdog", "--heartbeat-file", str(root / "checkpoints" / "heartbeat.json"),
              "--events-file", str(wd.events_file), "--state-file", str(wd.state_file), "--port", "0",
              "--terminate-on-finish", "--provider", "lambda", "--api-url", fake.url, "--instance-id", "inst-1",
-             "--termination-file", str(termination), "--run-dir", str(run_dir), "--", *trainer],
+             "--termination-file", str(termination), "--run-dir", str(run_dir),
+             "--keep-run-dir", str(root / "persistent"), "--", *trainer],
             stdout=log, stderr=subprocess.STDOUT, env=provider_env("lambda"), cwd=REPO, start_new_session=True)
     wd.procs.append(proc)
     assert proc.wait(300) == 0, log_path.read_text()[-4000:]
@@ -267,6 +314,7 @@ def test_the_finish_leaves_a_run_folder_that_passes_all_six_checks_after_the_ter
     assert "PENDING" in text and fake.state()["instances"]["inst-1"]["status"] == "terminated"
     assert wd.kinds() == ["start", "exit", "terminate"]
     assert wd.events[-1]["run_folder"].startswith(f"termination.json added to {run_dir}; dod check 6 PASS")
+    assert "; kept copy: termination.json added to" in wd.events[-1]["run_folder"]
 
     # The provider's answer is in the run folder, the manifest and dod.json agree with it...
     for name in ("manifest.json", "final.safetensors", "spike-postmortem.md", "dod.json", "termination.json"):
@@ -280,25 +328,25 @@ def test_the_finish_leaves_a_run_folder_that_passes_all_six_checks_after_the_ter
     assert report["pending"] == [] and [c["ok"] for c in report["checks"]][5] is True
     assert_no_key(*(p.read_text(errors="replace") for p in run_dir.iterdir() if p.suffix in (".json", ".md")), text)
 
-    # ...so a later dod on the folder, wherever it is read, passes all six (band: the tiny run's own).
-    moved = Path(shutil.copytree(run_dir, wd.root / "elsewhere" / "run"))
+    # ...so a later dod on the copy kept off the instance passes all six (band: the tiny run's own).
+    moved = root / "persistent" / "run-inst-1"
     val = manifest["final_val_loss"]
     proc = subprocess.run([sys.executable, "-m", "x1_pretrain.dod", str(moved), "--band", f"{val - 0.5:.3f}",
                            f"{val + 0.5:.3f}"], capture_output=True, text=True, cwd=REPO, env=cli_env(), timeout=120)
     assert proc.returncode == 0 and "all 6 checks pass" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_a_terminate_without_the_trainers_run_folder_still_terminates_and_says_the_folder_is_missing(
+def test_a_terminate_without_the_trainers_run_folder_is_refused_naming_the_missing_export(
     wd: Workdir, fakes: Callable[..., FakeBilling]
 ):
     fake = fakes("lambda", "inst-1")
     rc = wd.run(["--steps", "1", "--step-seconds", "0.05"], "--terminate-on-finish", "--provider", "lambda",
                 "--api-url", fake.url, "--instance-id", "inst-1", "--termination-file", str(wd.root / "t.json"),
-                "--run-dir", str(wd.root / "run"), env=provider_env("lambda"))
+                "--run-dir", str(wd.root / "run"), "--keep-run-dir", str(wd.root / "kept"), env=provider_env("lambda"))
     assert rc == 0, wd.log()
-    assert fake.state()["instances"]["inst-1"]["status"] == "terminated"
-    assert wd.events[-1]["run_folder"] == f"missing: no manifest.json in {wd.root / 'run'}"
-    assert "no run folder at" in wd.log() and not (wd.root / "run").exists()
+    assert fake.state()["terminate_calls"] == []  # the checkpoints on the instance are all there is of the run
+    assert wd.events[-1]["refused"] is True and "has no manifest.json" in wd.events[-1]["error"]
+    assert "python -m x1_pretrain.finish --output" in wd.log() and not (wd.root / "kept").exists()
 
 
 # --------------------------------------------------------------------------------------------

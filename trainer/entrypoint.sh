@@ -3,15 +3,22 @@
 #
 #   NPROC=1 (default)   exec python -m x1_pretrain.train ARGS
 #   NPROC=N             torchrun --standalone --nproc_per_node=N ... x1_pretrain.train ARGS
+#   NNODES=M            one node of M hosts: torchrun --nnodes=M --nproc_per_node=NPROC with the c10d
+#                       rendezvous at RDZV_ENDPOINT (HOST:PORT, any of the nodes) under RDZV_ID (the same
+#                       on every node); ranks come from the rendezvous. RDZV_MAX_RESTARTS (3): group
+#                       restarts after a lost node or a crashed rank; RDZV_JOIN_TIMEOUT (600 s): how long
+#                       a node waits for the others to (re)join before it exits 1
 #   X1_TRAIN_EXTRA_ARGS appended to ARGS, split on spaces ("--inject-spike-at-step 12000")
 #   X1_PYTHON           the interpreter (default: python on PATH; the process runner gives its own)
 #   a final decision in the watchdog's state file: no training, exit with its code
 #
 # The trainer's exit code is what the watchdog acts on (75 relaunch, 76/77 budget stop, 0 done,
 # ...). torchrun reports any failed worker as exit 1, so under torchrun each worker runs through
-# this script's --worker mode, which records its exit code in a file per rank; the launcher then
-# exits with rank 0's code — or, when torchrun's teardown killed rank 0 after another rank failed
-# on its own (a config error on every rank: whichever is first), with that rank's code.
+# this script's --worker mode, which records its exit code in a file per local rank; the launcher
+# then exits with local rank 0's code — or, when torchrun's teardown killed it after another rank
+# failed on its own (a config error on every rank: whichever is first), with that rank's code.
+# A decision every rank agreed on (0 finished, 75-79 stops) reaches torchrun as 0: torchrun
+# restarts a group whose worker failed (--max-restarts), and a budget stop must not be restarted.
 set -euo pipefail
 
 if [[ "${1:-}" == "--worker" ]]; then
@@ -23,7 +30,8 @@ if [[ "${1:-}" == "--worker" ]]; then
   code=0
   "${X1_PYTHON:-python}" -m x1_pretrain.train "$@" || code=$?
   if [[ -n "${X1_EXIT_DIR:-}" ]]; then
-    echo "$code" > "$X1_EXIT_DIR/rank${RANK:-0}"
+    echo "$code" > "$X1_EXIT_DIR/rank${LOCAL_RANK:-0}"
+    case "$code" in 0 | 75 | 76 | 77 | 78 | 79) exit 0 ;; esac
   fi
   exit "$code"
 fi
@@ -50,14 +58,40 @@ if [[ -n "${X1_TRAIN_EXTRA_ARGS:-}" ]]; then
   read -r -a extra <<< "$X1_TRAIN_EXTRA_ARGS"
 fi
 
-if [[ "$nproc" == 1 ]]; then
+nnodes="${NNODES:-1}"
+if ! [[ "$nnodes" =~ ^[1-9][0-9]*$ ]]; then
+  echo "x1-train: NNODES must be a whole number >= 1 (hosts), got '$nnodes'" >&2
+  exit 2
+fi
+launch=(--standalone --nproc_per_node="$nproc")
+if [[ "$nnodes" != 1 ]]; then
+  for var in RDZV_ENDPOINT RDZV_ID; do
+    if [[ -z "${!var:-}" ]]; then
+      echo "x1-train: NNODES=$nnodes needs $var (RDZV_ENDPOINT=HOST:PORT of any node, RDZV_ID the same on every node)" >&2
+      exit 2
+    fi
+  done
+  # Every node waits for the others for at most join_timeout (then exits 1, not a hang); a node
+  # lost mid-run makes torchrun restart the whole group from the last checkpoint, up to
+  # RDZV_MAX_RESTARTS times. The c10d store lives in the agent of the node whose address is
+  # RDZV_ENDPOINT; which node gets which rank is the rendezvous's choice.
+  launch=(--nnodes="$nnodes" --nproc_per_node="$nproc" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
+          --rdzv-id="$RDZV_ID" --max-restarts="${RDZV_MAX_RESTARTS:-3}"
+          --rdzv-conf="join_timeout=${RDZV_JOIN_TIMEOUT:-600}")
+  # Each round of the rendezvous publishes rank 0's store address anew. torch's shared store
+  # (the default) keeps the first round's on the other nodes: after rank 0's host was replaced,
+  # they would knock at a port that no longer exists until the process group's timeout.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+fi
+
+if [[ "$nproc" == 1 && "$nnodes" == 1 ]]; then
   # One process: python replaces this shell and receives docker's SIGTERM directly.
   exec "${X1_PYTHON:-python}" -m x1_pretrain.train "$@" "${extra[@]}"
 fi
 
 X1_EXIT_DIR="$(mktemp -d -t x1-exit.XXXXXX)"
 export X1_EXIT_DIR
-torchrun --standalone --nproc_per_node="$nproc" --no-python "$0" --worker "$@" "${extra[@]}" &
+torchrun "${launch[@]}" --no-python "$0" --worker "$@" "${extra[@]}" &
 launcher=$!
 # docker stop signals this shell only; torchrun passes the signal on to every worker.
 trap 'kill -TERM "$launcher" 2>/dev/null || true' TERM
@@ -84,6 +118,11 @@ else
     if [[ "$code" -ne 0 && "$code" -lt 128 ]]; then own="$code"; break; fi
   done
   if [[ -n "$own" ]]; then status="$own"; elif [[ -n "$rank0" ]]; then status="$rank0"; fi
+fi
+if [[ "$nnodes" != 1 && "$status" -ge 128 ]]; then
+  # Several hosts: a worker ended by a signal is torchrun's teardown after the group broke (a host
+  # lost): a crash (exit 1) for the watchdog, whichever of the worker or torchrun failed first.
+  status=1
 fi
 rm -rf "$X1_EXIT_DIR"
 exit "$status"

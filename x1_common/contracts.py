@@ -18,7 +18,7 @@ from enum import IntEnum
 from typing import Any
 
 # --------------------------------------------------------------------------------------------
-# Exit codes of the trainer (SPEC §3). The watchdog acts on them; compose and scripts see them.
+# Exit codes of the trainer (docs/DESIGN.md §3). The watchdog acts on them; compose and scripts see them.
 
 
 class ExitCode(IntEnum):
@@ -29,6 +29,11 @@ class ExitCode(IntEnum):
     BUDGET_SPENT = 77  # spent > cap: exit at once, no checkpoint write
     LAUNCH_REFUSED = 78  # pre-launch check refused (price, projection, no reading)
     DIVERGED = 79  # too many non-finite steps in a row
+    FORECAST_STOP = 80  # asked for: the final-loss forecast's interval left the band; clean checkpoint, stop
+    # The watchdog's, never the trainer's own: the trainer failed twice in a row with the same
+    # error before completing its first step (a broken image, an incompatible torch, a bad
+    # driver). Relaunching would only pay for the same start-up again: stop, alert.
+    STARTUP_FAILED = 81
 
 
 # Codes after which nobody relaunches the trainer. Anything else (75, a crash, a kill) relaunches.
@@ -40,6 +45,8 @@ FINAL_EXIT_CODES = frozenset(
         ExitCode.BUDGET_SPENT,
         ExitCode.LAUNCH_REFUSED,
         ExitCode.DIVERGED,
+        ExitCode.FORECAST_STOP,
+        ExitCode.STARTUP_FAILED,
     }
 )
 
@@ -52,6 +59,8 @@ END_REASONS = {
     ExitCode.BUDGET_SPENT: "budget-overspent",
     ExitCode.LAUNCH_REFUSED: "launch-refused",
     ExitCode.DIVERGED: "diverged",
+    ExitCode.FORECAST_STOP: "forecast-stop",
+    ExitCode.STARTUP_FAILED: "startup-failure",
 }
 
 
@@ -70,14 +79,14 @@ def end_reason(code: int | None) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Default ports (SPEC §3): away from node_exporter's 9100 and DCGM's 9400. 0 disables.
+# Default ports (docs/DESIGN.md §3): away from node_exporter's 9100 and DCGM's 9400. 0 disables.
 
 TRAINER_METRICS_PORT = 9791
 SIDECAR_PORT = 9792
 WATCHDOG_METRICS_PORT = 9793
 
 # --------------------------------------------------------------------------------------------
-# budget.json (SPEC §6). Readers need only the seed's five keys; the rest are informative.
+# budget.json (docs/DESIGN.md §6). Readers need only the lab's five keys; the rest are informative.
 
 BUDGET_REQUIRED_KEYS = (
     "spent_usd",
@@ -241,7 +250,7 @@ class BudgetReading:
 
     @classmethod
     def from_dict(cls, data: Any) -> BudgetReading:
-        """A reading from budget.json's document. Only the seed's five keys decide money; of the
+        """A reading from budget.json's document. Only the lab's five keys decide money; of the
         informative ones, a `stale` that is anything but false (or absent) counts as stale, and a
         value of the wrong type is dropped, never guessed."""
         if not isinstance(data, dict):
@@ -356,7 +365,7 @@ def _plain_int(v: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Metric names. Prometheus names carry the unit; MLflow names are the seed's short ones.
+# Metric names. Prometheus names carry the unit; MLflow names are the lab's short ones.
 
 # Trainer, Prometheus (port 9791)
 M_TRAIN_STEP = "x1_train_step"
@@ -366,15 +375,25 @@ M_TRAIN_MFU = "x1_train_mfu_ratio"  # labels: peak = datasheet | measured, peak_
 M_TRAIN_LOSS = "x1_train_loss"
 M_TRAIN_VAL_LOSS = "x1_train_val_loss"
 M_TRAIN_GRAD_NORM = "x1_train_grad_norm"
+# The final val loss the run's curve so far points to, and its interval (x1_pretrain.forecast)
+M_TRAIN_FORECAST = "x1_train_forecast_val_loss"
+M_TRAIN_FORECAST_LOW = "x1_train_forecast_val_loss_low"
+M_TRAIN_FORECAST_HIGH = "x1_train_forecast_val_loss_high"
 M_TRAIN_LR = "x1_train_lr"
+# 1, labelled with the host rank 0 runs on: node_rank, nnodes, hostname (several hosts: which is which)
+M_TRAIN_NODE_INFO = "x1_train_node_info"
 M_TRAIN_SPENT = "x1_train_budget_spent_usd"
-# The budget guard's projection (SPEC §6 rule 2): what it judges (the larger of the two below), the
+# The budget guard's projection (docs/DESIGN.md §6 rule 2): what it judges (the larger of the two below), the
 # trainer's own (spent + rate x the hours its remaining steps need + margin), the sidecar's as the
 # guard extrapolates it, and the billed hours the trainer still needs (margin not included).
 M_TRAIN_PROJECTED = "x1_train_budget_projected_total_usd"
 M_TRAIN_PROJECTED_OWN = "x1_train_budget_projected_own_usd"
 M_TRAIN_PROJECTED_SIDECAR = "x1_train_budget_projected_sidecar_usd"
 M_TRAIN_HOURS_NEEDED = "x1_train_budget_hours_needed"
+M_TRAIN_PROGRESS = "x1_train_progress_ratio"  # step / total steps: % done at a glance
+M_TRAIN_TOTAL_STEPS = "x1_train_total_steps"
+M_TRAIN_ETA = "x1_train_eta_seconds"  # wall seconds the steps left need at the measured pace
+M_TRAIN_RESTARTS = "x1_train_restarts"  # resumed starts of this run (preemptions, crashes, re-plans)
 M_CHECKPOINT_LAST_STEP = "x1_checkpoint_last_step"
 M_CHECKPOINT_SAVE_SECONDS = "x1_checkpoint_save_seconds"
 
@@ -386,7 +405,7 @@ M_BUDGET_CAP = "x1_budget_cap_usd"
 M_BUDGET_LAST_UPDATE = "x1_budget_last_update_timestamp_seconds"
 M_BUDGET_POLL_FAILURES = "x1_budget_poll_failures"  # counter: x1_budget_poll_failures_total
 M_BUDGET_STALE = "x1_budget_stale"
-M_BUDGET_ALERT = "x1_budget_alert_usd"  # the alert line (SPEC §6: $30)
+M_BUDGET_ALERT = "x1_budget_alert_usd"  # the alert line (docs/DESIGN.md §6: $30)
 M_BUDGET_PLANNED_HOURS = "x1_budget_planned_hours"  # 0: none, the sidecar's projection is the spend so far
 
 # Watchdog, Prometheus (port 9793)
@@ -394,6 +413,7 @@ M_WATCHDOG_RESTARTS = "x1_watchdog_restarts"  # counter with label reason: x1_wa
 M_WATCHDOG_TRAINER_UP = "x1_watchdog_trainer_up"
 M_WATCHDOG_DOWNTIME = "x1_watchdog_downtime_seconds"  # counter: x1_watchdog_downtime_seconds_total
 M_WATCHDOG_HEALTHY = "x1_watchdog_healthy"  # 0 while it cannot reach its trainer (docker mode: the Engine API)
+M_WATCHDOG_LAST_DECISION = "x1_watchdog_last_decision"  # info: x1_watchdog_last_decision_info{event,exit_code,reason,time}
 M_WATCHDOG_DOCKER_ENGINE = "x1_watchdog_docker_engine"  # info: x1_watchdog_docker_engine_info{api_version,...}
 
 # Counters: prometheus_client exports them with a `_total` suffix.
@@ -413,6 +433,8 @@ MLFLOW_TRAIN_METRICS = (
 # The guard's projection at each log step (see M_TRAIN_PROJECTED*): judged, own, sidecar's; billed hours needed.
 MLFLOW_BUDGET_METRICS = ("projected_usd", "projected_own_usd", "projected_sidecar_usd", "hours_needed")
 MLFLOW_VAL_LOSS = "val_loss"
+# Logged at each eval's step once the forecast has enough points
+MLFLOW_FORECAST_METRICS = ("forecast_val_loss", "forecast_val_loss_low", "forecast_val_loss_high")
 MLFLOW_SPIKE = "spike"  # 1.0 at a detected spike's step
 MLFLOW_SPIKE_INJECTED = "spike_injected"  # 1.0 at each injected step
 MLFLOW_NONFINITE = "nonfinite_step"  # 1.0 at a skipped (non-finite) step
@@ -433,7 +455,52 @@ SECRET_ENV_VARS = (
     "GF_SECURITY_ADMIN_PASSWORD",
     "MLFLOW_TRACKING_PASSWORD",
     "MLFLOW_TRACKING_TOKEN",
+    "X1_COST_URI_PASSWORD",
 )
+
+# The trainer's budget URL (--budget-curr-cost-uri) behind a proxy that asks for basic auth: the
+# user and password live here, never in the URL the run records (a user:password@ given in the
+# URL is moved here at start-up). MLflow's are MLFLOW_TRACKING_USERNAME/PASSWORD, as its client reads them.
+COST_URI_USERNAME_ENV = "X1_COST_URI_USERNAME"
+COST_URI_PASSWORD_ENV = "X1_COST_URI_PASSWORD"
+
+# scheme://userinfo@ ; greedy up to the authority's last @, as urllib splits it.
+_URI_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^\s/?#]*@", re.I)
+
+
+def move_uri_credentials_to_env(uri: str, user_env: str, password_env: str, what: str,
+                                environ: Any = None) -> str:
+    """`uri` without its user:password, which go to `user_env`/`password_env` for the client that
+    needs them (MLflow's reads MLFLOW_TRACKING_USERNAME/PASSWORD). What a run records, logs or
+    sends as a parameter is the returned URI. ValueError (naming the variable, never a value) when
+    the environment already holds other credentials."""
+    env = os.environ if environ is None else environ
+    clean, user, password = split_uri_credentials(uri)
+    for name, value in ((user_env, user), (password_env, password)):
+        if value is None:
+            continue
+        if env.get(name, value) != value:
+            raise ValueError(f"{what}: the URL carries credentials and {name} holds others; give them in one place")
+        env[name] = value
+    return clean
+
+
+def strip_uri_credentials(text: str) -> str:
+    """`text` with the user[:password] of every URI in it replaced by ***."""
+    return _URI_USERINFO.sub(r"\1***@", text)
+
+
+def split_uri_credentials(uri: str) -> tuple[str, str | None, str | None]:
+    """(the URI without its user[:password], the user, the password); (uri, None, None) without."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri, None, None
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, sep, password = userinfo.partition(":")
+    clean = urlunsplit((parts.scheme, hostport, parts.path, parts.query, parts.fragment))
+    return clean, unquote(user) or None, unquote(password) if sep else None
 
 
 def secret_values(environ: dict[str, str] | None = None) -> list[str]:
@@ -442,10 +509,11 @@ def secret_values(environ: dict[str, str] | None = None) -> list[str]:
 
 
 def redact(text: str, environ: dict[str, str] | None = None) -> str:
-    """`text` with every secret value from the environment replaced by ***."""
+    """`text` with every secret value from the environment, and the credentials of every URI in
+    it, replaced by ***."""
     for value in secret_values(environ):
         text = text.replace(value, "***")
-    return text
+    return strip_uri_credentials(text)
 
 
 # Keys whose values are secrets in records we keep (a Lambda instance record carries a

@@ -319,7 +319,8 @@ def parse_lambda_instance(d: Any) -> Instance:
     )
 
 
-_POD_FIELDS = "id name costPerHr desiredStatus lastStatusChange gpuCount machine { gpuDisplayName } runtime { uptimeInSeconds }"
+_POD_FIELDS = ("id name costPerHr desiredStatus lastStatusChange gpuCount machine { gpuDisplayName } "
+               "runtime { uptimeInSeconds ports { ip isIpPublic privatePort publicPort type } }")
 
 
 class RunPodClient(_HttpClient):
@@ -373,6 +374,59 @@ class RunPodClient(_HttpClient):
         )
         return {"data": data}
 
+    def create(
+        self,
+        gpu_type_id: str,
+        image_name: str,
+        *,
+        name: str | None = None,
+        cloud_type: str = "ALL",
+        gpu_count: int = 1,
+        volume_gb: int = 50,
+        container_disk_gb: int = 40,
+        ports: str = "22/tcp",
+        env: Mapping[str, str] | None = None,
+        docker_args: str | None = None,
+    ) -> Instance:
+        """podFindAndDeployOnDemand: one pod of `gpu_type_id` running `image_name`, with a network
+        volume at /workspace. Like Lambda's launch it is never retried after a 5xx or a timeout (the
+        pod may exist). `env` reaches the pod's container (PUBLIC_KEY: the SSH key RunPod's images
+        authorize); its values never appear in an error."""
+        spec: dict[str, Any] = {
+            "cloudType": cloud_type,
+            "gpuCount": gpu_count,
+            "gpuTypeId": gpu_type_id,
+            "imageName": image_name,
+            "volumeInGb": volume_gb,
+            "containerDiskInGb": container_disk_gb,
+            "volumeMountPath": "/workspace",
+            "ports": ports,
+            "startSsh": True,
+            "env": [{"key": k, "value": v} for k, v in (env or {}).items()],
+        }
+        if name:
+            spec["name"] = name
+        if docker_args:
+            spec["dockerArgs"] = docker_args
+        operation = "podFindAndDeployOnDemand"
+        payload = self._request(
+            "POST", "/graphql",
+            {"query": f"mutation Deploy($input: PodFindAndDeployOnDemandInput!) {{ {operation}(input: $input) "
+                      f"{{ {_POD_FIELDS} }} }}",
+             "variables": {"input": spec}},
+            idempotent=False,
+        )
+        errors = _graphql_errors(payload)
+        if errors:
+            lowered = errors.lower()
+            kind_ = "auth" if "unauthori" in lowered else "bad-request"
+            raise ProviderError(f"runpod: {self._scrub(errors)}", kind=kind_)
+        data = payload.get("data") if isinstance(payload, dict) else None
+        pod = data.get(operation) if isinstance(data, dict) else None
+        if not isinstance(pod, dict):
+            raise ProviderError(f"runpod: {operation} answered without a pod", kind="garbage")
+        return parse_runpod_pod(pod)
+
     def gpu_type_prices(self, market: str = "lowest") -> dict[str, float]:
         """$/h for one GPU, per GPU type id (and display name).
 
@@ -405,6 +459,20 @@ class RunPodClient(_HttpClient):
                     if name:
                         prices[str(name)] = min(offered)
         return prices
+
+
+def ssh_address(inst: Instance) -> tuple[str, int] | None:
+    """Where the instance's SSH server answers, from its record: Lambda's `ip` (port 22), RunPod's
+    public TCP mapping of port 22 in `runtime.ports`. None while the provider shows none yet."""
+    raw = inst.raw
+    if isinstance(raw.get("ip"), str) and raw["ip"]:
+        return raw["ip"], 22
+    runtime = raw.get("runtime") if isinstance(raw.get("runtime"), dict) else None
+    for port in (runtime or {}).get("ports") or []:
+        if (isinstance(port, dict) and port.get("privatePort") == 22 and port.get("isIpPublic")
+                and isinstance(port.get("ip"), str) and isinstance(port.get("publicPort"), int)):
+            return port["ip"], port["publicPort"]
+    return None
 
 
 def _graphql_errors(data: Any) -> str:

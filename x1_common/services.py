@@ -55,6 +55,10 @@ DEFAULTS: dict[str, str] = {
     "EVAL_EVERY": "1800",
     "LOG_EVERY": "10",
     "NPROC": "1",
+    "NNODES": "1",
+    "RDZV_ENDPOINT": "",
+    "RDZV_ID": "",
+    "RDZV_JOIN_TIMEOUT": "600",
     "TRAIN_EXTRA_ARGS": "",
     "TRAINER_CONTAINER_NAME": "x1-trainer",
     # the watchdog
@@ -63,6 +67,7 @@ DEFAULTS: dict[str, str] = {
     "MAX_RESTARTS": "10",
     "RESTART_WINDOW_SECONDS": "3600",
     "TERMINATE_ON_FINISH": "0",
+    "RESULTS_DIR": "",
     # alerts
     "SLACK_WEBHOOK_URL": "",
     "SMTP_HOST": "",
@@ -114,6 +119,7 @@ class SettingsError(ValueError):
 
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SHOWN_KEY = re.compile(r"([A-Z_][A-Z0-9_]*)[:\s]")
 
 
 def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -137,7 +143,12 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
         key, sep, value = line.partition("=")
         key = key.strip()
         if not sep or not _KEY.fullmatch(key):
-            raise SettingsError(f"{path}:{number}: not KEY=VALUE: {raw.strip()[:80]!r}")
+            # Named by its key, never quoted: a malformed line is often a secret typed wrong.
+            # Only an upper-case name followed by ':' or a space reads as the key: the start of a
+            # token pasted on its own line (a lone word, `sk-...`) is the secret and is not named.
+            start = _SHOWN_KEY.match(line)
+            named = f"the line starting with {start.group(1)!r}" if start else "a line that starts with no KEY"
+            raise SettingsError(f"{path}:{number}: not KEY=VALUE: {named} (its value is not shown)")
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             quote, value = value[0], value[1:-1]
@@ -247,7 +258,7 @@ class Service:
 
 
 def trainer(s: Settings, m: Mode) -> Service:
-    # The seed's command; x1-train adds torchrun when NPROC > 1 and appends X1_TRAIN_EXTRA_ARGS.
+    # The lab's command; x1-train adds torchrun when NPROC > 1 and appends X1_TRAIN_EXTRA_ARGS.
     argv = [
         *m.program("x1-train"),
         f"--config={s['X1_CONFIG']}",
@@ -272,6 +283,11 @@ def trainer(s: Settings, m: Mode) -> Service:
     ]
     env = {
         "NPROC": s["NPROC"],
+        # Several hosts: torchrun's c10d rendezvous (trainer/entrypoint.sh)
+        "NNODES": s["NNODES"],
+        "RDZV_ENDPOINT": s["RDZV_ENDPOINT"],
+        "RDZV_ID": s["RDZV_ID"],
+        "RDZV_JOIN_TIMEOUT": s["RDZV_JOIN_TIMEOUT"],
         "X1_TRAIN_EXTRA_ARGS": s["TRAIN_EXTRA_ARGS"],
         # torch.compile's caches on the volume: a relaunch after a preemption recompiles from cache.
         "TORCHINDUCTOR_CACHE_DIR": m.ws("cache", "inductor"),
@@ -316,18 +332,22 @@ def watchdog(s: Settings, m: Mode) -> Service:
         "--max-restarts", s["MAX_RESTARTS"], "--restart-window-seconds", s["RESTART_WINDOW_SECONDS"],
         "--events-file", m.ws("logs", "watchdog-events.jsonl"),
         "--state-file", m.ws("logs", "watchdog-state.json"),
+        # The plan's total: a budget stop of another total is set aside for this re-plan.
+        "--total-steps", s["TOTAL_STEPS"],
         # After a final decision it stays up instead of exiting into compose's restart loop.
         "--port", str(m.port("watchdog", s)), "--metrics-host", m.bind_host, "--hold-after-final",
     ]
     if s["TERMINATE_ON_FINISH"] == "1":
         argv += ["--terminate-on-finish", "--provider", s["PROVIDER"], "--instance-id", s["INSTANCE_ID"],
                  "--termination-file", m.ws("logs", "termination.json"), "--run-dir", m.ws("run")]
+        if s["RESULTS_DIR"]:  # compose mounts it at /results
+            argv += ["--keep-run-dir", "/results" if m.compose else s["RESULTS_DIR"]]
         if s["PROVIDER_API_URL"]:
             argv += ["--api-url", s["PROVIDER_API_URL"]]
     env = {
         "TRAINER_CONTAINER_NAME": s["TRAINER_CONTAINER_NAME"],
-        **{k: s[k] for k in ("STALL_SECONDS", "STARTUP_GRACE_SECONDS", "MAX_RESTARTS", "RESTART_WINDOW_SECONDS",
-                             "TERMINATE_ON_FINISH", "PROVIDER", "PROVIDER_API_URL", "INSTANCE_ID",
+        **{k: s[k] for k in ("TOTAL_STEPS", "STALL_SECONDS", "STARTUP_GRACE_SECONDS", "MAX_RESTARTS", "RESTART_WINDOW_SECONDS",
+                             "TERMINATE_ON_FINISH", "RESULTS_DIR", "PROVIDER", "PROVIDER_API_URL", "INSTANCE_ID",
                              # used only to terminate the instance at the end (TERMINATE_ON_FINISH=1)
                              "LAMBDA_API_KEY", "RUNPOD_API_KEY")},
         **{k: s[k] for k in ALERT_VARS},  # give-up and budget-stop alerts

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from budget_sidecar.settings import SidecarSettings
 from x1_common.contracts import SIDECAR_PORT, ExitCode
+from x1_common.lease import Lease, LeaseError, LeaseHeld, LeaseKind
 from x1_common.logs import setup_logging
 
 log = logging.getLogger("x1.budget_sidecar")
@@ -31,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
             "atomically after every poll: spent, rate, hours, projection, staleness. Serves GET /budget, "
             "GET /healthz (503 when stale) and GET /metrics. Spend never goes down: failed polls keep it "
             "rising at the last known rate (after 2 in a row the reading is marked stale), and a ledger "
-            "next to budget.json (budget-state.json) carries it across restarts. The API key is read from "
-            "LAMBDA_API_KEY or RUNPOD_API_KEY, never from the command line."
+            "next to budget.json (budget-state.json) carries it across restarts, instance relaunches and a change "
+            "of provider. One budget.json has one sidecar: a second one on the same file is refused (exit 2). "
+            "The API key is read from LAMBDA_API_KEY or RUNPOD_API_KEY, never from the command line."
         ),
         epilog="Every flag can also come from the environment as X1_BUDGET_<FLAG> (e.g. X1_BUDGET_CAP_USD=35).",
     )
@@ -112,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.USAGE
     from budget_sidecar.app import build_poller, create_app
 
+    try:
+        # One writer per budget.json (and its ledger): two sidecars would publish two spends in
+        # turn, and the lower one would pass for the run's. Held until this process exits.
+        Lease.for_file(settings.output, LeaseKind.BUDGET_SIDECAR).acquire()
+    except (LeaseHeld, LeaseError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.USAGE
     try:
         poller = build_poller(settings)
     except ValueError as e:  # a missing API key, named

@@ -118,6 +118,9 @@ def create_app(settings: SidecarSettings, poller: Poller | None = None) -> FastA
             "stale": stale,
             "consecutive_failures": snap.consecutive_failures,
             "last_update_utc": (snap.document or {}).get("last_update_utc"),
+            # Why the polls fail, for whoever waits on this sidecar (`stack up` stops waiting on "auth").
+            "last_error": snap.last_error,
+            "last_error_kind": snap.last_error_kind,
         }
         return JSONResponse(body, status_code=503 if stale else 200)
 

@@ -1,4 +1,4 @@
-"""A stand-in for the Lambda Cloud and RunPod APIs, for `make test` and `make demo` (SPEC §7).
+"""A stand-in for the Lambda Cloud and RunPod APIs, for `make test` and `make demo` (docs/DESIGN.md §7).
 
     python -m budget_sidecar.fake_billing --host 127.0.0.1 --port 8790 --provider lambda \\
         --instance-id i-0001 --price-usd-per-hr 1.10 --time-scale 360 --api-key test-key
@@ -12,6 +12,12 @@ thing, plus an unauthenticated test control plane meant for 127.0.0.1 only:
                    {"preempt": true}  {"terminate": true}   (optionally with "instance_id")
     GET  /_state   billed hours and dollars, statuses, the terminate / launch / resume calls received
 
+Lambda's launch and RunPod's podFindAndDeployOnDemand create instances (booting, then running).
+A test may hand `FakeCloud` a `Machines` backend (tests/launch_instance.py runs one container per
+instance): the instance's machine is then created, stopped, started and removed with it, a
+record shows the machine's address (Lambda `ip`, RunPod `runtime.ports`), and a RunPod pod has a
+runtime only while its machine runs.
+
 Billed time runs `--time-scale` times faster than wall time (360: one wall second bills 0.1 h),
 and the price is integrated over it, so a test can watch a day's bill build up in seconds.
 """
@@ -22,6 +28,7 @@ import argparse
 import asyncio
 import logging
 import os
+import queue
 import re
 import sys
 import threading
@@ -29,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -43,7 +50,59 @@ LAMBDA_OTHER_TYPES = {
     "gpu_1x_a10": ("1x A10 (24 GB PCIe)", 75, 30, 200),
     "gpu_8x_a100_80gb_sxm4": ("8x A100 (80 GB SXM4)", 1432, 240, 1800),
 }
+# RunPod's markets against spot (the fake's price): what runpod_gpu_types lists and a created pod bills.
+RUNPOD_MARKET_FACTOR = {"COMMUNITY": 1.4, "SECURE": 1.7, "ALL": 1.4}
 RUNPOD_OTHER_TYPES = {"NVIDIA H100 80GB HBM3": ("H100 SXM", 80, 2.69), "NVIDIA GeForce RTX 4090": ("RTX 4090", 24, 0.34)}
+
+
+class Machines(Protocol):
+    """What stands behind a fake instance: its machine. Calls come from one worker thread, in order."""
+
+    def create(self, instance_id: str, env: dict[str, str], command: str | None) -> None: ...
+
+    def stop(self, instance_id: str) -> None: ...
+
+    def start(self, instance_id: str) -> None: ...
+
+    def remove(self, instance_id: str) -> None: ...
+
+    def address(self, instance_id: str) -> tuple[str, int] | None:
+        """(ip, ssh port) while the machine runs, else None."""
+        ...
+
+
+class MachineWorker:
+    """Runs the machine operations in order on one thread, so an API answer never waits for a
+    container to stop (a preemption's kill takes seconds) and a start never overtakes a stop."""
+
+    def __init__(self, machines: Machines) -> None:
+        self.machines = machines
+        self.jobs: queue.Queue[tuple[str, str, tuple[Any, ...]]] = queue.Queue()
+        self.pending = 0
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._work, name="fake-machines", daemon=True).start()
+
+    def submit(self, op: str, instance_id: str, *args: Any) -> None:
+        with self.lock:
+            self.pending += 1
+        self.jobs.put((op, instance_id, args))
+
+    def idle(self) -> bool:
+        with self.lock:
+            return self.pending == 0
+
+    def _work(self) -> None:
+        while True:
+            op, instance_id, args = self.jobs.get()
+            try:
+                getattr(self.machines, op)(instance_id, *args)
+            except Exception as e:  # noqa: BLE001 - reported in /_state; the fake keeps serving
+                logging.getLogger("x1.fake_billing").error("machine %s of %s failed: %s", op, instance_id, e)
+                self.errors.append(f"{op} {instance_id}: {e}")
+            finally:
+                with self.lock:
+                    self.pending -= 1
 
 
 @dataclass
@@ -61,6 +120,7 @@ class FakeInstance:
     last_status_change: str = ""
     ssh_key_names: list[str] = field(default_factory=list)
     file_system_names: list[str] = field(default_factory=list)
+    price_factor: float = 1.0  # a RunPod pod created on demand bills its market's price (RUNPOD_MARKET_FACTOR)
 
 
 class FakeCloud:
@@ -77,6 +137,8 @@ class FakeCloud:
         region: str = "us-east-1",
         boot_seconds: float = 1.0,
         clock: Callable[[], float] = time.time,
+        machines: Machines | None = None,
+        start_with_instance: bool = True,
     ) -> None:
         if provider not in DEFAULT_TYPES:
             raise ValueError(f"provider: {provider!r} is not lambda or runpod")
@@ -93,13 +155,16 @@ class FakeCloud:
         self.terminate_calls: list[str] = []
         self.launch_calls: list[dict[str, Any]] = []
         self.resume_calls: list[dict[str, Any]] = []
+        self.create_calls: list[dict[str, Any]] = []
         self.requests = 0
         self.auth_failures = 0
+        self.machines = MachineWorker(machines) if machines is not None else None
         now = clock()
-        self.instances[instance_id] = FakeInstance(
-            id=instance_id, name="x1", instance_type=self.instance_type, region=region,
-            status=self._running, last_wall=now, last_status_change=f"Rented by User: {time.ctime(now)}",
-        )
+        if start_with_instance:
+            self.instances[instance_id] = FakeInstance(
+                id=instance_id, name="x1", instance_type=self.instance_type, region=region,
+                status=self._running, last_wall=now, last_status_change=f"Rented by User: {time.ctime(now)}",
+            )
 
     # --- words of each provider -------------------------------------------------------------
     @property
@@ -123,13 +188,27 @@ class FakeCloud:
             if self._billing(inst):
                 inst.uptime_s += dt
                 inst.billed_s += dt
-                inst.billed_usd += self.price * dt / 3600.0
+                inst.billed_usd += self.price * inst.price_factor * dt / 3600.0
             inst.last_wall = now
             if inst.status == "booting" and now >= inst.boot_until:
                 inst.status = "active"
 
     def booting(self, inst: FakeInstance) -> bool:
         return self.clock() < inst.boot_until
+
+    # --- the machines behind the instances (when a test gives some) --------------------------
+    def machine(self, op: str, inst: FakeInstance, *args: Any) -> None:
+        if self.machines is not None:
+            self.machines.submit(op, inst.id, *args)
+
+    def address(self, inst: FakeInstance) -> tuple[str, int] | None:
+        """Where the instance's SSH server is: its machine's address once it runs (and none of its
+        operations is still queued), else a documentation address (no machines)."""
+        if self.machines is None:
+            return ("192.0.2.10", 22)
+        if not self.machines.idle():
+            return None
+        return self.machines.machines.address(inst.id)
 
     # --- control plane ----------------------------------------------------------------------
     def control(self, body: dict[str, Any]) -> None:
@@ -161,6 +240,7 @@ class FakeCloud:
                     # pod goes to EXITED and says why in lastStatusChange (our reading of the API).
                     inst.status = "preempted" if self.provider == "lambda" else "EXITED"
                     inst.last_status_change = f"Exited by RunPod: spot instance interrupted {time.ctime()}"
+                    self.machine("stop", inst)
             if body.get("terminate"):
                 for inst in targets:
                     self._terminate(inst)
@@ -173,6 +253,8 @@ class FakeCloud:
         return [self.instances[instance_id]]
 
     def _terminate(self, inst: FakeInstance) -> None:
+        if inst.status not in ("terminated", "TERMINATED"):
+            self.machine("remove", inst)
         inst.status = "terminated" if self.provider == "lambda" else "TERMINATED"
         inst.last_status_change = f"Terminated by User: {time.ctime()}"
 
@@ -198,7 +280,10 @@ class FakeCloud:
                 "billed_usd": sum(i.billed_usd for i in self.instances.values()),
                 "terminate_calls": list(self.terminate_calls),
                 "launch_calls": list(self.launch_calls),
+                "create_calls": list(self.create_calls),
                 "resume_calls": list(self.resume_calls),
+                "machines_idle": self.machines is None or self.machines.idle(),
+                "machine_errors": [] if self.machines is None else list(self.machines.errors),
                 "requests": self.requests,
                 "auth_failures": self.auth_failures,
             }
@@ -219,10 +304,10 @@ class FakeCloud:
         }
 
     def lambda_instance(self, inst: FakeInstance) -> dict[str, Any]:
-        return {
+        address = self.address(inst) if inst.status == "active" else None
+        record = {
             "id": inst.id,
             "name": inst.name,
-            "ip": "192.0.2.10",
             "private_ip": "10.0.0.10",
             "status": inst.status,
             "hostname": f"{inst.id[:8]}.cloud.example",
@@ -232,6 +317,9 @@ class FakeCloud:
             "instance_type": self.lambda_type(inst.instance_type),
             "is_reserved": False,
         }
+        if address is not None:
+            record["ip"] = address[0]  # Lambda shows the public IP once the instance is up; SSH on 22
+        return record
 
     def lambda_instance_types(self) -> dict[str, Any]:
         names = [self.instance_type, *(n for n in LAMBDA_OTHER_TYPES if n != self.instance_type)]
@@ -251,16 +339,23 @@ class FakeCloud:
             ssh_key_names=list(body.get("ssh_key_names") or []), file_system_names=list(body.get("file_system_names") or []),
         )
         self.instances[new.id] = new
-        self.launch_calls.append({**body, "instance_id": new.id})
+        # The launch as asked, user data included (it holds no secret by design: tests check what it says)
+        self.launch_calls.append({**body, "instance_id": new.id, "user_data_bytes": len(body.get("user_data") or "")})
+        self.machine("create", new, {}, None)
         return new.id
 
     # --- RunPod -----------------------------------------------------------------------------
     def runpod_pod(self, inst: FakeInstance) -> dict[str, Any]:
         running = inst.status == "RUNNING" and not self.booting(inst)
+        address = self.address(inst) if running else None
+        if self.machines is not None and address is None:
+            running = False  # the container is not up (yet): no runtime, as RunPod shows it
+        ports = [] if address is None else [
+            {"ip": address[0], "isIpPublic": True, "privatePort": 22, "publicPort": address[1], "type": "tcp"}]
         return {
             "id": inst.id,
             "name": inst.name,
-            "costPerHr": self.price,
+            "costPerHr": round(self.price * inst.price_factor, 4),
             "desiredStatus": inst.status,
             "lastStatusChange": inst.last_status_change,
             "gpuCount": 1,
@@ -268,8 +363,38 @@ class FakeCloud:
             "machineId": "m-fake",
             "machine": {"gpuDisplayName": "A100 PCIe", "podHostId": f"{inst.id}-host"},
             # No runtime while the container starts or when the pod is not running (as RunPod does).
-            "runtime": {"uptimeInSeconds": int(inst.uptime_s), "ports": [], "gpus": [{"id": "GPU-0"}]} if running else None,
+            "runtime": {"uptimeInSeconds": int(inst.uptime_s), "ports": ports, "gpus": [{"id": "GPU-0"}]} if running else None,
         }
+
+    def runpod_create(self, spec: Any) -> FakeInstance:
+        """podFindAndDeployOnDemand: a new pod of `gpuTypeId`, RUNNING (its container starting)."""
+        if not isinstance(spec, dict):
+            raise ValueError("input is required")
+        for key in ("gpuTypeId", "imageName"):
+            if not isinstance(spec.get(key), str) or not spec[key]:
+                raise ValueError(f"input.{key} is required")
+        if spec["gpuTypeId"] not in (self.instance_type, *RUNPOD_OTHER_TYPES):
+            raise ValueError(f"There are no longer any instances available with the requested specifications "
+                             f"({spec['gpuTypeId']!r}).")
+        market = spec.get("cloudType") or "ALL"
+        if market not in RUNPOD_MARKET_FACTOR:
+            raise ValueError(f"input.cloudType {market!r} is not one of {', '.join(RUNPOD_MARKET_FACTOR)}")
+        env = {}
+        for item in spec.get("env") or []:
+            if isinstance(item, dict) and isinstance(item.get("key"), str):
+                env[item["key"]] = str(item.get("value", ""))
+        now = self.clock()
+        new = FakeInstance(
+            id=uuid.uuid4().hex[:14], name=str(spec.get("name") or "x1"), instance_type=spec["gpuTypeId"],
+            region=self.region, status="RUNNING", last_wall=now, boot_until=now + self.boot_seconds,
+            last_status_change=f"Rented by User: {time.ctime(now)}", price_factor=RUNPOD_MARKET_FACTOR[market],
+        )
+        self.instances[new.id] = new
+        # The record of the call, without the env's values (a pod's env may carry keys).
+        self.create_calls.append({**{k: v for k, v in spec.items() if k != "env"}, "env_keys": sorted(env),
+                                  "instance_id": new.id})
+        self.machine("create", new, env, spec.get("dockerArgs") or None)
+        return new
 
     def runpod_gpu_types(self) -> list[dict[str, Any]]:
         p = self.price
@@ -277,7 +402,8 @@ class FakeCloud:
             "id": self.instance_type, "displayName": "A100 PCIe", "memoryInGb": 80,
             # Spot is the fake's price; the other markets cost more, as they do on RunPod.
             "communitySpotPrice": p, "secureSpotPrice": round(p * 1.2, 2),
-            "communityPrice": round(p * 1.4, 2), "securePrice": round(p * 1.7, 2),
+            "communityPrice": round(p * RUNPOD_MARKET_FACTOR["COMMUNITY"], 2),
+            "securePrice": round(p * RUNPOD_MARKET_FACTOR["SECURE"], 2),
         }]
         for gid, (display, mem, price) in RUNPOD_OTHER_TYPES.items():
             types.append({
@@ -326,6 +452,8 @@ def runpod_graphql(cloud: FakeCloud, query: str, variables: dict[str, Any]) -> d
             if inst is None or inst.status == "TERMINATED":
                 return {**_graphql_error("Pod not found"), "data": {op: None}}
             if op == "podStop":
+                if inst.status == "RUNNING":
+                    cloud.machine("stop", inst)
                 inst.status = "EXITED"
                 inst.last_status_change = f"Exited by User: {time.ctime()}"
             else:
@@ -336,7 +464,14 @@ def runpod_graphql(cloud: FakeCloud, query: str, variables: dict[str, Any]) -> d
                     inst.uptime_s = 0.0
                     inst.boot_until = cloud.clock() + cloud.boot_seconds
                     inst.last_status_change = f"Resumed by User: {time.ctime()}"
+                    cloud.machine("start", inst)
             return {"data": {op: cloud.runpod_pod(inst)}}
+        if "podFindAndDeployOnDemand" in query:
+            try:
+                new = cloud.runpod_create(variables.get("input"))
+            except ValueError as e:
+                return {**_graphql_error(str(e)), "data": {"podFindAndDeployOnDemand": None}}
+            return {"data": {"podFindAndDeployOnDemand": cloud.runpod_pod(new)}}
         if "gpuTypes" in query:
             return {"data": {"gpuTypes": cloud.runpod_gpu_types()}}
         if re.search(r"\bpod\s*\(", query):

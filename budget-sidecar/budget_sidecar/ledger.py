@@ -72,8 +72,8 @@ class Ledger:
     # --- persistence ------------------------------------------------------------------------
     @classmethod
     def load(cls, path: Path, provider: str, instance_id: str, now: float | None = None) -> Ledger:
-        """The persisted ledger, or a fresh one. A ledger of another instance of the same run (a
-        relaunch gives a new id) keeps its spend: the budget is for the run, not the instance.
+        """The persisted ledger, or a fresh one. A ledger of another instance (a relaunch gives a new
+        id) or another provider keeps its spend: the budget is for the run, not the instance.
 
         The file is the previous sidecar's: a damaged one (not JSON, a field of the wrong type or
         not a finite number, a time ahead of `now`) is not trusted as a whole, but the spend it
@@ -101,20 +101,22 @@ class Ledger:
         old = cls(**{k: v for k, v in data.items() if k in known})
         if old.trusted_rate_usd_per_hr is None and old.rate_note is None and (old.rate_usd_per_hr or 0) > 0:
             old.trusted_rate_usd_per_hr = old.rate_usd_per_hr  # a ledger written before prices were checked
-        if old.provider != provider:
-            log.warning("ledger %s is for provider %s, not %s: starting a new one", path, old.provider, provider)
-            return fresh
-        if old.instance_id != instance_id:
-            log.warning(
-                "instance changed from %s to %s: carrying over $%.2f and %.2f h already spent",
-                old.instance_id, instance_id, old.spent_usd, old.hours_elapsed,
-            )
-            # The old instance is gone (preempted or terminated); its downtime is not billed.
+        if old.provider != provider or old.instance_id != instance_id:
+            # The budget is the run's, whatever the sidecar is restarted with: a relaunched
+            # instance, or another provider (a switch to static to get round a failing API key)
+            # starts counting anew on top of what was spent, never from zero.
+            what = (f"provider changed from {old.provider} to {provider}" if old.provider != provider
+                    else f"instance changed from {old.instance_id} to {instance_id}")
+            log.warning("%s: carrying over $%.2f and %.2f h already spent", what, old.spent_usd, old.hours_elapsed)
+            same_provider = old.provider == provider
+            # The old instance is gone (preempted or terminated); its downtime is not billed. Another
+            # provider's prices say nothing about this one's: no trusted price carried across.
             return cls(
                 provider=provider, instance_id=instance_id, first_seen=old.first_seen, spent_usd=old.spent_usd,
-                hours_elapsed=old.hours_elapsed, rate_usd_per_hr=old.rate_usd_per_hr,
+                hours_elapsed=old.hours_elapsed, rate_usd_per_hr=old.rate_usd_per_hr if same_provider else None,
                 poll_failures_total=old.poll_failures_total, finished_runs_usd=old.spent_usd,
-                finished_runs_hours=old.hours_elapsed, trusted_rate_usd_per_hr=old.trusted_rate_usd_per_hr,
+                finished_runs_hours=old.hours_elapsed,
+                trusted_rate_usd_per_hr=old.trusted_rate_usd_per_hr if same_provider else None,
             )
         log.info("resuming the ledger %s: $%.4f spent over %.3f h", path, old.spent_usd, old.hours_elapsed)
         return old
@@ -256,7 +258,7 @@ class Ledger:
 
 
 def reading_document(reading: BudgetReading, ledger: Ledger, time_scale: float) -> dict[str, Any]:
-    """budget.json: the seed's five keys, ours, and a few informative ones (never a secret)."""
+    """budget.json: the lab's five keys, ours, and a few informative ones (never a secret)."""
     doc = reading.to_dict()
     # Sub-second precision: at a test's time scale a second is minutes of billing.
     doc["last_update_utc"] = format_utc(reading.last_update_utc).replace(

@@ -31,6 +31,8 @@ class Snapshot:
     consecutive_failures: int
     poll_failures_total: int
     last_update: float | None  # unix seconds of the last budget.json write
+    last_error: str | None = None  # the last failed poll's error (never holds the API key)
+    last_error_kind: str | None = None  # ProviderError.kind: auth, not-found, server, ...
 
 
 class Poller:
@@ -46,6 +48,7 @@ class Poller:
         self.client = client
         self.clock = clock
         self._lock = threading.Lock()
+        self._error_kind: str | None = None
         self.ledger = Ledger.load(settings.state_path, settings.provider, settings.instance_id, now=clock())
         if self.ledger.first_seen is None:
             self._carry_over_published_spend()
@@ -56,15 +59,15 @@ class Poller:
             self._publish(self.clock(), source="estimate")
 
     def _carry_over_published_spend(self) -> None:
-        """No ledger (deleted, unreadable) but a budget.json of this provider: what it published
-        stays spent, so the figure never goes down. The time since it was written is not charged:
+        """No ledger (deleted, unreadable) but a budget.json: what it published stays spent, so the
+        figure never goes down, whichever provider published it (the budget is the run's). The time since it was written is not charged:
         whether the instance billed meanwhile is unknown."""
         try:
             prev = read_budget_file(self.settings.output)
         except (OSError, ValueError):
             return
         led = self.ledger
-        if prev.provider not in (None, self.settings.provider) or prev.spent_usd <= led.spent_usd:
+        if prev.spent_usd <= led.spent_usd:
             return
         log.warning("no usable ledger, but %s says $%.4f spent over %.3f h: carrying it over",
                     self.settings.output, prev.spent_usd, prev.hours_elapsed)
@@ -85,15 +88,18 @@ class Poller:
             )
         except (ProviderError, ValueError) as e:
             now = self.clock()
+            self._error_kind = e.kind if isinstance(e, ProviderError) else "bad-answer"
             self.ledger.record_failure(now, str(e), time_scale=s.time_scale)
             log.warning("poll failed (%d in a row): %s", self.ledger.consecutive_failures, e)
             source = "estimate"
         except Exception as e:  # a bug must not stop budget.json: count it as a failed poll
             now = self.clock()
+            self._error_kind = "crash"
             self.ledger.record_failure(now, f"{type(e).__name__}: {e}", time_scale=s.time_scale)
             log.exception("poll crashed (%d in a row)", self.ledger.consecutive_failures)
             source = "estimate"
         else:
+            self._error_kind = None
             # static has no provider to ask: its figure is an estimate by nature.
             source = "estimate" if s.provider == "static" else "provider-api"
         self._publish(now, source)
@@ -123,4 +129,6 @@ class Poller:
                 consecutive_failures=self.ledger.consecutive_failures,
                 poll_failures_total=self.ledger.poll_failures_total,
                 last_update=now if doc is not None else self._snapshot.last_update,
+                last_error=self.ledger.last_error if self.ledger.consecutive_failures else None,
+                last_error_kind=self._error_kind if self.ledger.consecutive_failures else None,
             )

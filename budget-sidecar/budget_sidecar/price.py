@@ -1,8 +1,8 @@
-"""The seed's price rule: launch only when the price is at or under the max ($1.40/h); otherwise wait
+"""The price rule: launch only when the price is at or under the max ($1.40/h); otherwise wait
 4 hours and re-check (RunPod community is the fallback).
 
     LAMBDA_API_KEY=... python -m budget_sidecar.price --provider lambda --instance-type gpu_1x_a100_sxm4 \\
-        --max-usd-per-hr 1.40 [--wait --every-hours 4]
+        --max-price-usd-per-hr 1.40 [--wait --every-hours 4]
     RUNPOD_API_KEY=... python -m budget_sidecar.price --provider runpod --market community --list
 
 Exit 0: the price is acceptable, launch. Exit 78: it is not (or it could not be read), do not
@@ -30,19 +30,19 @@ RUNPOD_SAME_GPU = {"h200": "NVIDIA H200", "h100": "NVIDIA H100 80GB HBM3", "a100
 
 
 def fallback_hint(provider: str, instance_type: str, max_usd_per_hr: float, market: str) -> str:
-    """The seed's fallback as a command that runs as shown: RunPod community, same GPU."""
+    """The fallback as a command that runs as shown: RunPod community, same GPU."""
     if provider == "runpod" and market == "community":
-        return ("the seed's fallback is RunPod community, which this is: --wait re-checks every 4 h, or list the "
+        return ("RunPod community is the fallback, and this is it: --wait re-checks every 4 h, or list the "
                 "other GPUs: " + shlex.join(["python", "-m", "budget_sidecar.price", "--provider", "runpod",
                                               "--market", "community", "--list"]))
     same = instance_type if provider == "runpod" else next(
         (gpu for family, gpu in RUNPOD_SAME_GPU.items() if family in instance_type.lower()), None)
     cmd = ["python", "-m", "budget_sidecar.price", "--provider", "runpod", "--market", "community"]
     if same is None:
-        return (f"the seed's fallback: RunPod community; {instance_type!r} has no RunPod equivalent known here, "
+        return (f"the fallback: RunPod community; {instance_type!r} has no RunPod equivalent known here, "
                 f"list its GPU types and prices: {shlex.join([*cmd, '--list'])}")
-    return ("the seed's fallback: RunPod community (RUNPOD_API_KEY): "
-            + shlex.join([*cmd, "--instance-type", same, "--max-usd-per-hr", f"{max_usd_per_hr:g}"]))
+    return ("the fallback: RunPod community (RUNPOD_API_KEY): "
+            + shlex.join([*cmd, "--instance-type", same, "--max-price-usd-per-hr", f"{max_usd_per_hr:g}"]))
 
 
 class UnknownInstanceType(ValueError):
@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m budget_sidecar.price",
         description=(
-            "Reads the provider's current price for an instance type and applies the seed's rule: exit 0 when it "
-            "is at or under --max-usd-per-hr (launch), 78 when it is over or cannot be read (do not launch). "
+            "Reads the provider's current price for an instance type and applies the price rule: exit 0 when it "
+            "is at or under --max-price-usd-per-hr (launch), 78 when it is over or cannot be read (do not launch). "
             "With --wait, re-checks every --every-hours until the price is acceptable. The API key comes from "
             "LAMBDA_API_KEY or RUNPOD_API_KEY."
         ),
@@ -123,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Lambda instance type (gpu_1x_a100_sxm4) or RunPod GPU type id/name (NVIDIA A100 80GB PCIe); "
                         "required unless --list")
     p.add_argument("--list", action="store_true", help="print every offered type and its price now, then exit 0")
-    p.add_argument("--max-usd-per-hr", type=float, default=1.40, help="the price ceiling, $/h (1.40)")
+    p.add_argument("--max-price-usd-per-hr", dest="max_usd_per_hr", type=float, default=1.40,
+                   help="the price ceiling, $/h (1.40: the A100 80GB's; plan prints each GPU's)")
+    # The earlier spelling, kept working for scripts that use it; the name is the one plan and train take.
+    p.add_argument("--max-usd-per-hr", dest="max_usd_per_hr", type=float, help=argparse.SUPPRESS)
     p.add_argument("--wait", action="store_true", help="re-check until the price is acceptable instead of refusing")
     p.add_argument("--every-hours", type=float, default=4.0, help="hours between re-checks with --wait (4)")
     p.add_argument("--max-wait-hours", type=float, help="with --wait: give up (exit 78) after this many hours")
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_usd_per_hr", "every_hours", "max_wait_hours", "http_timeout"):
         value = getattr(args, name)
         if value is not None and (not math.isfinite(value) or value <= 0):
-            parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+            flag = "--max-price-usd-per-hr" if name == "max_usd_per_hr" else f"--{name.replace('_', '-')}"
+            parser.error(f"{flag} must be a positive number, got {value}")
     if not args.list and not args.instance_type:
         parser.error("--instance-type is required (or --list to see the offered types)")
     setup_logging()

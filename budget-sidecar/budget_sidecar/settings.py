@@ -23,7 +23,7 @@ class SidecarSettings(BaseSettings):
     )
     api_url: str | None = Field(None, description="provider base URL without the API path; None = the real API")
     instance_id: str = Field("", description="Lambda instance id or RunPod pod id (not needed for static)")
-    poll_seconds: float = Field(300.0, gt=0, description="seconds between polls (5 min: the seed's cadence)")
+    poll_seconds: float = Field(300.0, gt=0, description="seconds between polls (5 min: the lab's cadence)")
     output: Path = Field(Path("/workspace/budget.json"), description="budget.json, rewritten atomically every poll")
     cap_usd: float = Field(35.0, gt=0, description="the hard cap, written into budget.json and /metrics")
     alert_usd: float = Field(30.0, gt=0, description="the alert line (informative here; the trainer alerts)")

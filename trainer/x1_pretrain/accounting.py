@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from x1_pretrain.config import ModelConfig
 
-# Datasheet dense bf16 peaks, TFLOP/s (SPEC §4). PCIe parts run at lower clocks and power.
+# Datasheet dense bf16 peaks, TFLOP/s (docs/DESIGN.md §4). PCIe parts run at lower clocks and power.
 GPU_PEAK_TFLOPS = {
     "a100-40gb": 312.0,
     "a100-80gb": 312.0,
@@ -39,11 +39,12 @@ class Throughput:
 
 # Tokens/s of the 50M config (micro-batch 32 x 1024) per GPU. H200: our trainer's step, measured
 # (docs/PERFORMANCE.md: date, command, the reference beside it). Others: the same MFU on their
-# datasheet peak, labelled as estimates. Never the seed's 500k on an A100: 98% of its peak.
+# datasheet peak, labelled as estimates. Never 500k on an A100: that would be 98% of its peak.
 _MEASURED = {
-    "h200": Throughput(805_000.0, "measured: this trainer on one H200, 2026-12-01, call 16 (docs/PERFORMANCE.md)"),
+    "h200": Throughput(864_000.0, "measured: this trainer's step on one H200, 864-879k tokens/s over four runs, "
+                                  "the low end (docs/PERFORMANCE.md)"),
 }
-_MEASURED_MFU_DATASHEET = 0.496  # that measurement over the 989 TFLOP/s datasheet peak
+_MEASURED_MFU_DATASHEET = 0.532  # that measurement over the 989 TFLOP/s datasheet peak (864k x 609.1M / 989T)
 _MEASURED_FLOPS_PER_TOKEN = 609.1e6  # the 50M config's (flops_per_token(ModelConfig()) = 609.07M)
 
 

@@ -1,4 +1,4 @@
-"""The budget guard (SPEC §6): the trainer's side of the budget contract. There is no silent-overspend mode.
+"""The budget guard (docs/DESIGN.md §6): the trainer's side of the budget contract. There is no silent-overspend mode.
 
     guard = BudgetGuard.from_config(cfg.budget)     # NullGuard when --budget-cap-usd is not given
     pre = guard.prelaunch(pace)                      # waits for a first reading; 77 / 78 refuse the launch
@@ -26,9 +26,11 @@ No torch here: the dry run and the tests import this without it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 from x1_common.alerts import AlertSender
 from x1_common.contracts import (
     CLOCK_SKEW_S,
+    COST_URI_PASSWORD_ENV,
+    COST_URI_USERNAME_ENV,
     MAX_JSON_FILE_BYTES,
     BudgetReading,
     ExitCode,
@@ -50,14 +54,14 @@ from x1_common.contracts import (
     parse_json_strict,
     read_json_file,
 )
-from x1_pretrain.accounting import fmt_count, steps_that_fit
+from x1_pretrain.accounting import fmt_count, steps_that_fit, tokens_per_sec_table
 from x1_pretrain.config import BudgetConfig, ConfigError
-from x1_pretrain.plan import usd  # $35 / $26.40, the seed's style
+from x1_pretrain.plan import usd  # $35 / $26.40
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-RATE_WARNING_FACTOR = 1.2  # the seed: an hourly rate 20% over plan is worth a human's look
+RATE_WARNING_FACTOR = 1.2  # an hourly rate 20% over plan is worth a human's look
 READ_TIMEOUT_S = 5.0  # one HTTP read of the sidecar's /budget
 ROLLING_S = 1800.0  # the rolling pace spans the last 30 min of steady training: drift shows within the hour
 
@@ -81,6 +85,7 @@ class Decision:
     alerts: tuple[str, ...] = ()  # alert kinds raised during this check: "alert-line", "rate", "stale"
     projection: Projection | None = None  # the projection judged, with its inputs (None before any reading)
     checked: bool = True  # False between checks (not due) and with the guard off: nothing new to log
+    fits_steps: int | None = None  # a stop or a refusal: the total steps that fit the cap (None: no pace)
 
 
 class ReadError(Exception):
@@ -146,7 +151,7 @@ def _count_due(after: int, upto: int, every: int) -> int:
 
 
 class Pace:
-    """How long the run still needs, from what it has measured of itself (SPEC §6, rule 2).
+    """How long the run still needs, from what it has measured of itself (docs/DESIGN.md §6, rule 2).
 
     Seconds per step: the plan's throughput (`expected_tokens_per_sec`) until the first steady
     interval is measured, then the steady intervals of the last ROLLING_S seconds. On a machine
@@ -257,6 +262,17 @@ class Projection:
         return f"{head}; {own}; sidecar's {usd(self.sidecar_usd)}: projected {usd(self.judged_usd)} of {usd(cap)}"
 
 
+def budget_request(uri: str) -> urllib.request.Request:
+    """GET `uri`, with basic auth from X1_COST_URI_USERNAME/PASSWORD when set (a proxy in front of
+    the sidecar); the URL itself never carries them (see train.credentials_out_of_config)."""
+    request = urllib.request.Request(uri)
+    user, password = os.environ.get(COST_URI_USERNAME_ENV), os.environ.get(COST_URI_PASSWORD_ENV)
+    if user is not None or password is not None:
+        token = base64.b64encode(f"{user or ''}:{password or ''}".encode()).decode("ascii")
+        request.add_header("Authorization", f"Basic {token}")
+    return request
+
+
 def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReading, float]:
     """The reading at `uri` (a path or an http(s) URL) and its time scale (1 outside tests and the demo).
 
@@ -265,7 +281,7 @@ def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReadin
     is not a finite number, is read as 1 — it can only ever speed the meter up."""
     try:
         if uri.startswith(("http://", "https://")):
-            with urllib.request.urlopen(uri, timeout=timeout) as resp:
+            with urllib.request.urlopen(budget_request(uri), timeout=timeout) as resp:
                 data = parse_json_strict(resp.read(MAX_JSON_FILE_BYTES + 1), what=uri, finite=False)
         else:
             # Non-finite numbers parse: from_dict refuses them where money is (the contract's keys).
@@ -282,7 +298,7 @@ def read_source(uri: str, timeout: float = READ_TIMEOUT_S) -> tuple[BudgetReadin
 
 
 def planned_sentence(rate: float, hours: float, cap: float, max_price: float) -> tuple[str, bool]:
-    """The seed's pre-launch sentence for this run, and whether the launch is acceptable."""
+    """The pre-launch sentence for this run, and whether the launch is acceptable."""
     cost = rate * hours
     head = f"This run is planned at {usd(rate)}/h, ~{hours:g} h including setup = {usd(cost)}. Budget: {usd(cap)}. "
     reasons = []
@@ -408,10 +424,10 @@ class BudgetGuard:
         return Projection(spent_usd=spent, rate_usd_per_hr=reading.rate_usd_per_hr, sidecar_usd=sidecar,
                           own_usd=own, hours_needed=hours, margin=self.cfg.margin, need=need, no_own=no_own)
 
-    def _steps_that_fit(self, p: Projection) -> str:
-        """', --total-steps N fits' for a refusal or a stop, where the pace says what N is."""
+    def _fits(self, p: Projection) -> int | None:
+        """The total steps that fit the cap at the pace measured (None where there is no pace)."""
         if p.need is None or p.rate_usd_per_hr <= 0 or self.pace is None or p.need.steps_left <= 0:
-            return ""
+            return None
         done = self.pace.total_steps - p.need.steps_left
         # Per step left, its share of the evals, checkpoints and restarts too: they scale with the steps.
         billed_s_per_step = p.need.seconds / p.need.steps_left * self._time_scale
@@ -419,7 +435,20 @@ class BudgetGuard:
         fits = done + left
         if fits >= 1000:  # a round figure leaves a little slack for the minutes a relaunch bills
             fits = fits // 100 * 100
-        return f"; --total-steps {fits} fits (of {self.pace.total_steps:,})"
+        return fits
+
+    def _steps_that_fit(self, p: Projection, fits: int | None, resume: bool) -> str:
+        """'; --total-steps N fits (of M): continue with ...' for a refusal or a stop, naming the
+        exact commands that continue the run with what fits (README "After a budget stop")."""
+        if fits is None or self.pace is None:
+            return ""
+        done = self.pace.total_steps - (p.need.steps_left if p.need is not None else 0)
+        if fits <= done:
+            return f"; no more steps fit the cap (step {done:,} done of {self.pace.total_steps:,})"
+        flags = f"{'--resume-from-latest ' if resume else ''}--total-steps {fits}"
+        return (f"; --total-steps {fits} fits (of {self.pace.total_steps:,}): continue with `{flags}` "
+                f"(stack: `python -m x1_pretrain.stack up --total-steps {fits} ...`; compose: set TOTAL_STEPS={fits} "
+                f"in .env, then `docker compose up -d`)")
 
     def _try_read(self) -> str | None:
         """Read the source into last_reading; the error in words when there is no new reading.
@@ -518,9 +547,12 @@ class BudgetGuard:
                                 f"price {usd(reading.rate_usd_per_hr)}/h is over the max price "
                                 f"{usd(cfg.max_price_usd_per_hr)}/h: launch refused", spent, projected, projection=p)
         if projected > self.cap:
+            fits = self._fits(p)
+            resume = self.pace is not None and self.pace.step > 0
             return self._decide(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED,
                                 f"projected total {usd(projected)} is over the cap {usd(self.cap)}: launch refused"
-                                f"{self._steps_that_fit(p)}. {p.line(self.cap)}", spent, projected, projection=p)
+                                f"{self._steps_that_fit(p, fits, resume)}. {p.line(self.cap)}", spent, projected,
+                                projection=p, fits=fits)
         return self._judge(now, prefix="launch accepted")
 
     # --- during the run ---------------------------------------------------------------------
@@ -578,10 +610,11 @@ class BudgetGuard:
         sent = self._alerts(reading, spent, projected, age_min, fields)
         # 2. projected total over the cap: a clean checkpoint, then exit.
         if projected > self.cap:
+            fits = self._fits(p)
             return self._decide(Action.CHECKPOINT_AND_EXIT, ExitCode.BUDGET_PROJECTED,
                                 f"projected total {usd(projected)} is over the cap {usd(self.cap)} (spent {usd(spent)}): "
-                                f"checkpoint and exit{self._steps_that_fit(p)}. {p.line(self.cap)}", spent, projected,
-                                sent, projection=p)
+                                f"checkpoint and exit{self._steps_that_fit(p, fits, True)}. {p.line(self.cap)}", spent,
+                                projected, sent, projection=p, fits=fits)
         notes = [n for n, on in (("alert line crossed", "alert-line" in sent), ("rate over plan", "rate" in sent),
                                  ("stale reading", "stale" in sent)) if on]
         reason = f"{prefix}: {p.line(self.cap)}" + (f" ({', '.join(notes)})" if notes else "")
@@ -621,9 +654,10 @@ class BudgetGuard:
         return [kind]
 
     def _decide(self, action: Action, code: int, reason: str, spent: float | None, projected: float | None,
-                alerts: list[str] | None = None, projection: Projection | None = None) -> Decision:
+                alerts: list[str] | None = None, projection: Projection | None = None,
+                fits: int | None = None) -> Decision:
         self.log.error("budget: %s", reason)
-        return Decision(action, int(code), reason, spent, projected, tuple(alerts or ()), projection)
+        return Decision(action, int(code), reason, spent, projected, tuple(alerts or ()), projection, fits_steps=fits)
 
 
 class NullGuard:
@@ -673,7 +707,7 @@ class _Step:
     reading: dict[str, Any] | None  # spent, rate, projected, age_min, stale; None: the source fails
     expect: tuple[Action, int | None, tuple[str, ...]]
     new_guard: bool = False
-    pace: str | None = None  # "plan": the seed's 84,000 steps at plan's A100 figure; "measured": too slow a measure
+    pace: str | None = None  # "plan": the default 84,000 steps at plan's A100 figure; "measured": too slow a measure
 
 
 def _scenario(cfg: BudgetConfig, cap: float) -> Iterator[_Step]:
@@ -745,11 +779,12 @@ def dry_run(cfg: BudgetConfig, out: Callable[[str], None] = print) -> int:
         t[0] += s
 
     def pace(kind: str | None) -> Pace | None:
-        """The seed's run (84,000 steps of 512K tokens) at plan's A100 estimate, or measured slower."""
+        """The default run (84,000 steps of 512K tokens) at plan's A100 estimate, or measured slower."""
         if kind is None:
             return None
         p = Pace(total_steps=84_000, tokens_per_step=524_288, eval_every=1800, ckpt_every=1800, eval_tokens=131_072,
-                 start_step=0 if kind == "plan" else 40_000, expected_tokens_per_sec=254_000.0,
+                 start_step=0 if kind == "plan" else 40_000,
+                 expected_tokens_per_sec=tokens_per_sec_table()["a100-80gb"].tokens_per_sec,
                  expected_source="plan's A100 80GB estimate (simulated)", clock=lambda: t[0])
         if kind == "measured":  # one steady interval of 10 steps at 200k tokens/s
             p.record(Interval(steps=10, seconds=10 * 524_288 / 200_000.0, tokens=10 * 524_288), 40_000)

@@ -1,4 +1,4 @@
-"""Checkpoints that survive a kill at any instant (SPEC §5).
+"""Checkpoints that survive a kill at any instant (docs/DESIGN.md §5).
 
     K/step_00001800/
         model.safetensors     fp32, plain names, model config in the metadata
@@ -18,6 +18,13 @@ wrong, never raise. A save that fails (a full disk above all) removes its partia
 and raises CheckpointError naming the folder; on a full disk CheckpointSpaceError says how much
 a checkpoint needs. A save never replaces a folder of the same step that does not verify: that
 one is renamed aside (`step_XXXXXXXX.unverified-<time>`), kept as evidence.
+
+Loading never runs code from a file. optimizer.pt is a torch pickle, read with
+`torch.load(weights_only=True)`: tensors, numbers, strings and plain containers only, so an
+object whose unpickling would call a function is refused (CheckpointRefused, exit 2 naming the
+file) rather than run. A sha256 in COMPLETE.json beside the file proves the file is whole, not
+who wrote it: a refused file is never skipped for an older checkpoint, it stops the resume. The
+weights are safetensors and everything else is JSON, neither of which can carry code.
 """
 
 from __future__ import annotations
@@ -75,11 +82,18 @@ class TrainerState:
     micro_batch_size: int = 0
     rng: dict[str, Any] = field(default_factory=dict)
     spike: dict[str, Any] = field(default_factory=dict)  # detector EMA, injection bookkeeping
+    forecast: dict[str, Any] = field(default_factory=dict)  # the forecast's curve so far and history (x1_pretrain.forecast)
     nonfinite_in_row: int = 0
     train_seconds: float = 0.0  # wall seconds spent training, summed over restarts
     run_started: float = 0.0  # unix time of the run's first start (wall hours count from here)
     restarts: int = 0
     created_utc: str = ""
+    run_id: str = ""  # the run's identity, the same in every checkpoint of it (x1_pretrain.provenance)
+    corpus: dict[str, Any] = field(default_factory=dict)  # the corpus trained on: dir, fingerprint, token counts
+    changes: list[dict[str, Any]] = field(default_factory=list)  # corpus or tracking changes a flag accepted
+    # Each change of train.total_steps on a resume (train.replan): step, old and new totals, when,
+    # why, and the cosine's progress there (the schedule after it is re-targeted from that step).
+    replans: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -112,8 +126,9 @@ class TrainerState:
 _STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "step": (int,), "tokens_seen": (int,), "config_hash": (str,), "config": (dict,), "sampler": (dict,),
     "mlflow_run_id": (str, type(None)), "world_size": (int,), "micro_batch_size": (int,), "rng": (dict,),
-    "spike": (dict,), "nonfinite_in_row": (int,), "train_seconds": (int, float), "run_started": (int, float),
-    "restarts": (int,), "created_utc": (str,),
+    "spike": (dict,), "forecast": (dict,), "nonfinite_in_row": (int,), "train_seconds": (int, float),
+    "run_started": (int, float), "restarts": (int,), "created_utc": (str,), "replans": (list,),
+    "run_id": (str,), "corpus": (dict,), "changes": (list,),
 }
 _STATE_REQUIRED = ("step", "tokens_seen", "config_hash", "config", "sampler")
 _STATE_COUNTS = ("step", "tokens_seen", "world_size", "micro_batch_size", "nonfinite_in_row", "train_seconds",
@@ -175,6 +190,7 @@ class Loaded:
     model_state: dict[str, torch.Tensor]
     optim_state: dict[str, Any]
     state: TrainerState
+    replanned: bool = False  # this resume changed train.total_steps (train.replan): state.replans[-1]
 
 
 class CheckpointError(RuntimeError):
@@ -183,6 +199,46 @@ class CheckpointError(RuntimeError):
 
 class CheckpointSpaceError(CheckpointError):
     """The disk under the checkpoint folder is full."""
+
+
+class CheckpointRefused(CheckpointError):
+    """A file of a verified folder holds what this trainer never writes (objects whose loading would
+    run code): someone put it there. Never skipped for an older folder; a person decides. Exit 2."""
+
+
+# torch.load(weights_only=True) had bypasses up to 2.5.1 (CVE-2025-32434): below 2.6 it is not a
+# guarantee, and an optimizer state is not read at all.
+SAFE_LOAD_TORCH = (2, 6)
+
+
+def load_optimizer_file(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The optimizer state in `path` (optimizer.pt, final-optimizer.pt), read without running code.
+
+    CheckpointRefused naming the file when it holds anything but tensors and plain containers, or
+    when this torch cannot refuse such objects safely; CheckpointError when it is not a state."""
+    if _torch_version() < SAFE_LOAD_TORCH:
+        raise CheckpointRefused(
+            f"{path}: not read: torch {torch.__version__} is below {'.'.join(map(str, SAFE_LOAD_TORCH))}, whose "
+            "weights-only loading is the one that cannot be made to run code (CVE-2025-32434); upgrade torch")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused a global or an opcode: nothing ran
+        why = str(e).split("\n\n")[-1].strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointRefused(
+            f"{path}: refused: it holds objects other than tensors and plain containers, which loading would "
+            f"run as code ({why[:200]}); the trainer never writes such a file. Nothing in it was run. Move the "
+            "folder away (or restore it from a copy you trust), then relaunch") from None
+    except (OSError, ValueError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: does not load ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+                              ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: does not hold an optimizer state (a {type(state).__name__})")
+    return state
+
+
+def _torch_version() -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 class Checkpointer:
@@ -367,15 +423,14 @@ class Checkpointer:
 
         try:
             model_state, _, _ = load_weights(path / MODEL_FILE)
-            # Our own file, its sha256 checked by verify(): torch.load may unpickle it.
-            optim_state = torch.load(path / OPTIM_FILE, map_location=map_location, weights_only=False)
+            optim_state = load_optimizer_file(path / OPTIM_FILE, map_location)
             state = TrainerState.from_json(read_file_bytes(path / STATE_FILE))
-        except CheckpointError as e:
-            raise CheckpointError(f"{path}: {e}") from None
-        except (ConfigError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        except CheckpointRefused:
+            raise
+        except CheckpointError as e:  # the optimizer file's errors name it already
+            raise (e if str(e).startswith(str(path)) else CheckpointError(f"{path}: {e}")) from None
+        except (ConfigError, OSError, ValueError, RuntimeError, EOFError) as e:
             raise CheckpointError(f"{path}: does not load ({type(e).__name__}: {e})") from None
-        if not isinstance(optim_state, dict):
-            raise CheckpointError(f"{path}: {OPTIM_FILE} does not hold an optimizer state")
         return Loaded(path, model_state, optim_state, state)
 
 

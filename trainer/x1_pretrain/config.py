@@ -69,7 +69,7 @@ def yaml_load(text: str) -> Any:
 
 
 class ModelConfig(_Section):
-    """The 50M Llama-style decoder of SPEC §4, under the seed's hyperparameter names."""
+    """The 50M Llama-style decoder of docs/DESIGN.md §4, under the lab's hyperparameter names."""
 
     n_layer: int = Field(8, ge=1, description="transformer blocks")
     d_model: int = Field(768, ge=8, description="residual width")
@@ -88,12 +88,20 @@ class ModelConfig(_Section):
     rope_base: float = Field(10000.0, gt=0, description="RoPE theta")
     init_std: float = Field(0.02, gt=0, description="std of the normal init of every matrix (GPT-2 / Llama)")
     scaled_residual_init: bool = Field(
-        False, description="GPT-2's std / sqrt(2 n_layer) for the residual output projections; off = the seed's plain 0.02"
+        False, description="GPT-2's std / sqrt(2 n_layer) for the residual output projections; off = the lab's plain 0.02"
     )
     tie_embeddings: Literal[True] = Field(True, description="output head shares the input embedding (88.9M total)")
-    attention: Literal["auto", "sdpa", "flash-attn"] = Field(
-        "auto", description="auto: flash_attn_func when flash-attn imports on a GPU, else PyTorch SDPA"
+    attention: Literal["sdpa", "flash-attn"] = Field(
+        "sdpa", description="PyTorch SDPA (cuDNN attention on an H100/H200: what every GPU figure measured); "
+        "flash-attn: flash_attn_func, the same math, only when asked for (and logged), where it imports"
     )
+
+    @field_validator("attention", mode="before")
+    @classmethod
+    def _auto_is_sdpa(cls, v: object) -> object:
+        # Configs and checkpoints written before said `auto`, which picked flash-attn wherever it
+        # imported: a path never measured. Read now as what was measured.
+        return "sdpa" if v == "auto" else v
 
     @property
     def head_dim(self) -> int:
@@ -116,7 +124,7 @@ class ModelConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """AdamW with linear warmup and cosine decay (the seed's table)."""
+    """AdamW with linear warmup and cosine decay (the lab's table)."""
 
     lr: float = Field(3e-4, gt=0, description="peak learning rate (Llama-2's)")
     min_lr: float = Field(3e-5, ge=0, description="floor of the cosine decay, reached at the last step")
@@ -175,7 +183,7 @@ class TrainConfig(_Section):
         "None: floor_fraction x the expected throughput (no floor where none is expected, as on a CPU); 0: off"
     )
     floor_fraction: float = Field(
-        0.6, gt=0, le=1, description="the default floor as a share of the expected throughput: the seed's ratio "
+        0.6, gt=0, le=1, description="the default floor as a share of the expected throughput: the lab's ratio "
         "(its 300k floor of its 500k estimate; that estimate is 98% of an A100's peak, the ratio is sound)"
     )
     max_nonfinite_in_row: int = Field(5, ge=1, description="non-finite steps in a row before exit 79")
@@ -198,13 +206,22 @@ class TrainConfig(_Section):
         "weight-gradient matmul adds into an fp32 buffer itself, which becomes .grad after the step's last "
         "micro-step (the same sums, without the bf16 rounding of each micro-step's part)"
     )
+    cublaslt: Literal["auto", "off"] = Field(
+        "auto", description="every matmul of the step at the cuBLASLt algorithm chosen by timing on this GPU "
+        "(kept in X1_CUBLASLT_CACHE): +1.4-2.2% on an H200; auto = on a CUDA GPU where libcublasLt loads; off = "
+        "cuBLAS's first algorithm (PyTorch's)"
+    )
+    gpu_arch: Literal["auto", "sm80", "sm90"] = Field(
+        "auto", description="the GPU architecture the levers are chosen for: auto = the GPU found; sm80 = the "
+        "lever set of an A100 on any newer GPU (to measure an A100's configuration on an H100/H200)"
+    )
     float8: Literal["off", "tensorwise", "rowwise"] = Field(
         "off", description="torchao float8 matmuls for the blocks' linear layers (GPUs of compute capability 8.9+: "
         "H100, H200, L4, L40S); the tied head stays bf16. Off in the 50M configs: at d_model 768 it measured "
         "slower (docs/PERFORMANCE.md)"
     )
 
-    @field_validator("float8", mode="before")
+    @field_validator("float8", "cublaslt", mode="before")
     @classmethod
     def _off(cls, v: object) -> object:
         return _yaml_word(v)
@@ -239,14 +256,14 @@ class CheckpointConfig(_Section):
 
 
 class BudgetConfig(_Section):
-    """The guard (SPEC §6). It is on only when cap_usd is set (--budget-cap-usd)."""
+    """The guard (docs/DESIGN.md §6). It is on only when cap_usd is set (--budget-cap-usd)."""
 
     cap_usd: float | None = Field(None, gt=0, description="hard cap; None = guard off")
     alert_usd: float = Field(30.0, gt=0, description="email + Slack once per crossing")
     curr_cost_uri: str = Field("/workspace/budget.json", description="budget.json path or the sidecar's /budget URL")
     check_every_min: float = Field(30.0, gt=0, description="minutes between readings")
     stale_after_min: float = Field(15.0, gt=0, description="a reading older than this raises a stale-data alert")
-    max_price_usd_per_hr: float = Field(1.40, gt=0, description="the seed's price ceiling for launch")
+    max_price_usd_per_hr: float = Field(1.40, gt=0, description="the lab's price ceiling for launch")
     planned_rate_usd_per_hr: float | None = Field(None, gt=0, description="planned price: rate > 1.2x this warns")
     planned_hours: float | None = Field(None, gt=0, description="planned hours for the pre-launch sentence")
     first_reading_timeout_min: float = Field(5.0, gt=0, description="wait this long for a first reading, then exit 78")
@@ -254,6 +271,15 @@ class BudgetConfig(_Section):
         0.10, ge=0, le=1, description="the trainer's own projection adds this share of the time it still needs "
         "(throughput drifts by a few percent; restarts not seen yet): it shrinks as the run nears its end"
     )
+
+
+    @model_validator(mode="after")
+    def _alert_within_cap(self) -> BudgetConfig:
+        # The sidecar refuses the same pair: a line above the cap would never alert before the stop.
+        if self.cap_usd is not None and self.alert_usd > self.cap_usd:
+            raise ValueError(f"budget.alert_usd: {self.alert_usd:g} is above budget.cap_usd={self.cap_usd:g}: the "
+                             "alert would come after the stop; give --budget-alert-usd at or below the cap")
+        return self
 
 
 class TrackingConfig(_Section):
@@ -314,7 +340,7 @@ class RunConfig(_Section):
         return self.model_dump(mode="json")
 
 
-# Seed flags of SPEC §3 → config fields (the train command maps these after --set).
+# The lab's flags of docs/DESIGN.md §3 → config fields (the train command maps these after --set).
 SEED_FLAGS = {
     "data_dir": "data.dir",
     "ckpt_dir": "checkpoint.dir",
@@ -400,7 +426,7 @@ def load_config(
     sets: list[str] | tuple[str, ...] = (),
     overrides: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """YAML file, then `--set` items, then explicit dotted overrides (the seed's flags)."""
+    """YAML file, then `--set` items, then explicit dotted overrides (the lab's flags)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-ENABLED = True  # the training step's matmuls through `matmul` / `addmm_` here; off: PyTorch's, always
 CANDIDATES = 16  # how many of the heuristic's algorithms the first call of a shape times
 WORKSPACE_BYTES = 32 * 2**20  # what PyTorch gives cuBLAS on Hopper
 TIMED_CALLS = 5  # per candidate, after two untimed ones
@@ -90,6 +89,33 @@ def _check(what: str, status: int) -> None:
 
 
 _available: bool | None = None
+# Whether this process's torch runs the CUDA addmm with a bf16 product added into an fp32 matrix
+# in place (aten::addmm.dtype_out: torch >= 2.8; some versions require the added matrix in the
+# inputs' dtype). A probe's answer per device type, not a switch.
+_ADDMM_INTO_FP32: bool | None = None
+
+
+def addmm_into_fp32(device: torch.device) -> bool:
+    """Whether torch.addmm(acc, a, b, out_dtype=float32, out=acc) adds a bf16 product into fp32
+    on `device` (probed once, on CUDA; never on a CPU)."""
+    global _ADDMM_INTO_FP32
+    if device.type != "cuda":
+        return False
+    if _ADDMM_INTO_FP32 is None:
+        c = torch.zeros(8, 8, device=device)
+        a = torch.ones(16, 8, device=device, dtype=torch.bfloat16)
+        try:
+            out = torch.addmm(c, a.t(), a, out_dtype=torch.float32, out=c)
+            _ADDMM_INTO_FP32 = out.data_ptr() == c.data_ptr() and bool((c == 16).all())
+        except (RuntimeError, TypeError):
+            _ADDMM_INTO_FP32 = False
+    return _ADDMM_INTO_FP32
+
+
+def _pytorch_runs(a: torch.Tensor, out: torch.Tensor, beta: float) -> bool:
+    """Whether PyTorch's own call can stand among the candidates: a plain product always; an add
+    into a matrix of another dtype only where this torch's addmm takes out_dtype."""
+    return not beta or out.dtype == a.dtype or addmm_into_fp32(out.device)
 
 
 @torch.compiler.assume_constant_result  # torch.compile runs it once and keeps the answer
@@ -107,14 +133,14 @@ def available() -> bool:
 
 
 def use_for(x: torch.Tensor) -> bool:
-    """Whether the step's matmuls on x go through here: ENABLED, on CUDA, 16-bit operands."""
-    return ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and available()
+    """Whether matmuls on x can go through here: on CUDA, 16-bit operands."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and available()
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: torch.Tensor, tuned: bool = True) -> torch.Tensor:
     """x (..., k) @ w (k, n): a linear layer's product (w a weight or its transposed view), at the
-    tuned algorithm where `use_for(x)`, else PyTorch's."""
-    if not use_for(x):
+    tuned algorithm where `tuned` (the run's train.cublaslt) and `use_for(x)`, else PyTorch's."""
+    if not (tuned and use_for(x)):
         return x @ w
     a = x.reshape(-1, x.size(-1))
     if a.stride(-1) != 1:
@@ -232,14 +258,17 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
     if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA graph: the heuristic's first
         plan.source = "captured"
         return 0
+    pytorch = _pytorch_runs(a, out, beta)
     plan.chosen = _stored_choice(plan)
+    if plan.chosen == PYTORCH and not pytorch:  # kept by a torch that had the call; this one has not
+        plan.chosen = None
     if plan.chosen is not None:
         plan.source = "kept"
         return plan.chosen
     scratch = torch.empty_like(out) if beta else out  # out is overwritten by the call the tuning precedes
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     timings = []
-    for i in [PYTORCH, *range(len(plan.candidates))]:
+    for i in [PYTORCH, *range(len(plan.candidates))] if pytorch else range(len(plan.candidates)):
         for _ in range(2):
             _run(plan, i, a, b, scratch, beta)
         start.record()
@@ -248,9 +277,9 @@ def _choose(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, be
         end.record()
         end.synchronize()
         timings.append(start.elapsed_time(end) / TIMED_CALLS)
-    plan.pytorch_ms, plan.timings_ms = timings[0], timings[1:]
+    plan.pytorch_ms, plan.timings_ms = (timings[0], timings[1:]) if pytorch else (None, timings)
     fastest = min(range(len(plan.timings_ms)), key=plan.timings_ms.__getitem__)
-    plan.chosen = fastest if plan.timings_ms[fastest] < plan.pytorch_ms else PYTORCH
+    plan.chosen = fastest if plan.pytorch_ms is None or plan.timings_ms[fastest] < plan.pytorch_ms else PYTORCH
     plan.source = "timed"
     _store_choice(plan)
     return plan.chosen
@@ -291,7 +320,7 @@ def _store_choice(plan: _Plan) -> None:
     choices = _read_choices(path)
     choices[plan.stored_as] = {
         "rank": plan.chosen, "algo": None if plan.chosen == PYTORCH else _algo_hex(plan.candidates[plan.chosen]),
-        "ms": min([plan.pytorch_ms, *plan.timings_ms]),
+        "ms": min(t for t in [plan.pytorch_ms, *plan.timings_ms] if t is not None),
     }
     tmp = f"{path}.{os.getpid()}.tmp"
     try:

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,15 @@ log = logging.getLogger("x1_pretrain.data")
 
 TOKEN_DTYPE = np.dtype("<u2")  # train.bin / val.bin: flat little-endian uint16
 KNOWN_TOKENIZERS = ("gpt2",)
-CHECK_CACHE = ".token-check.json"  # the verdict of the last id scan, keyed by file size and mtime
+# The verdict of the last id scan, keyed by what a change to the file always changes: size, inode
+# and ctime as well as mtime. mtime alone can be put back (`touch -r`, `rsync -a`, a tool that
+# restores it after an in-place edit); ctime cannot be set and moves on every write and utime, and
+# a copy is a new inode. A key that differs means the ids are scanned again.
+CHECK_CACHE = ".token-check.json"
+# File times come from a coarse kernel clock (a few ms): a write in the same tick as the scan
+# leaves ctime as the scan saw it. A verdict is trusted only for a file unchanged for this long
+# before its scan began; a file scanned while it was still being written is scanned again.
+SETTLED_NS = 2_000_000_000
 SCAN_CHUNK = 1 << 26  # tokens per step of the id scan (128 MB)
 SCAN_BAR_ABOVE = 1 << 28  # tokens; a scan this long shows a progress bar
 
@@ -125,14 +134,17 @@ def check_token_ids(data_dir: Path, files: dict[str, np.ndarray], vocab_size: in
         path = data_dir / f"{split}.bin"
         name = path.name
         st = path.stat()
-        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
         entry = cache.get(name)
         max_seen = entry.get("max_id") if isinstance(entry, dict) else None
-        if (isinstance(max_seen, int) and not isinstance(max_seen, bool) and max_seen < vocab_size
+        settled = isinstance(entry, dict) and isinstance(entry.get("scanned_ns"), int) and \
+            entry["scanned_ns"] - st.st_ctime_ns > SETTLED_NS
+        if (isinstance(max_seen, int) and not isinstance(max_seen, bool) and max_seen < vocab_size and settled
                 and {k: entry.get(k) for k in stamp} == stamp):
             continue
+        scanned_ns = time.time_ns()  # before the read: a write after it moves ctime past this
         max_id = _scan_max_id(path, tokens, vocab_size)
-        cache[name] = {**stamp, "max_id": max_id}
+        cache[name] = {**stamp, "scanned_ns": scanned_ns, "max_id": max_id}
         changed = True
     if changed:
         try:

@@ -3,7 +3,7 @@
     python -m x1_pretrain.demo --workspace demo-workspace [--steps 200] [--fresh]
 
 What `docker compose up` does on the GPU host, on a machine with neither Docker nor a GPU
-(SPEC §2), and through the very commands a RunPod user types: the demo writes a .env (the fake
+(docs/DESIGN.md §2), and through the very commands a RunPod user types: the demo writes a .env (the fake
 billing API standing in for Lambda's, the tiny config) and runs `python -m x1_pretrain.stack
 up -d`, `status` and `down` (x1_pretrain.stack) on it. A small real-text corpus (the standard
 library's docstrings) is built and tokenized first; the real sidecar, MLflow server, watchdog
@@ -47,10 +47,10 @@ from x1_pretrain.stack import (
 # ---------------------------------------------------------------------------------------------
 # The demo's numbers, and why
 
-DEFAULT_STEPS = 200  # 1-2 min of training on 2 cores (0.3-0.6 s/step); the whole demo stays under 5 min
+DEFAULT_STEPS = 200  # 2-9 min of training on 2 cores (0.3-2 s/step, busy machines the slower); the whole demo 7-12 min
 MIN_STEPS = 40  # room for a checkpoint, the preemption and the 5 spiked steps before the end
 
-# The money. The seed's plan: 1x A100 80GB spot on Lambda at $1.10/h for ~24 h = $26.40 of a $35 cap.
+# The money. The default plan: 1x A100 80GB on-demand on Lambda at $1.10/h for ~24 h = $26.40 of a $35 cap.
 PRICE_USD_PER_HR = 1.10
 PLANNED_HOURS = 24.0
 CAP_USD = 35.0
@@ -67,7 +67,7 @@ TRAINER_THREADS = 1
 
 CORPUS_MB = 2.0  # ~580k GPT-2 tokens: more than the 200 x 512 = 102k tokens the run trains on
 
-# The DoD's val-loss band for this run. SPEC §8's [3.20, 3.50] is the 50M model's after ~5B
+# The DoD's val-loss band for this run. docs/DESIGN.md §8's [3.20, 3.50] is the 50M model's after ~5B
 # tokens; this 2-layer, 64-wide model sees 20-120k tokens. On this corpus (measured, not read
 # from the run): a uniform guess scores ln(50257) = 10.8; the corpus's own unigram statistics
 # (no context at all) score 6.48 on val; the tiny model reaches ~6.8 after 30 steps, ~6.4 after
@@ -115,7 +115,7 @@ The X1 stack on this machine, as processes, on CPU: no Docker, no GPU, no cloud 
      (A spot reclaim of the whole instance kills the watchdog too: bringing it back is the job of
      the watchdog's provider mode, off the GPU host, which one machine cannot show.)
   4. at the end the watchdog terminates the (fake) instance, then export_run writes the run folder,
-     postmortem drafts the spike post-mortem, dod checks SPEC §8's six lines, and
+     postmortem drafts the spike post-mortem, dod checks docs/DESIGN.md §8's six lines, and
      `python -m x1_pretrain.stack down` stops the stack.
 
 Everything goes under WORKSPACE: demo.env, data/, checkpoints/, mlruns/, logs/ (one log per
@@ -198,7 +198,8 @@ STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) loss (\S+) lr \S+ grad \S+ tok/s (\d
 VAL_LINE = re.compile(r"\bstep (\d+) val_loss (\S+)")
 # Lines of the trainer and the watchdog worth showing as they come.
 NOTABLE = re.compile(r"This run is planned|launch accepted|loss spike|spike injection|injecting|resuming from|"
-                     r"emergency checkpoint|preempted at|relaunching|budget: (?!continue)|terminat", re.IGNORECASE)
+                     r"emergency checkpoint|preempted at|relaunching|budget: (?!continue)|terminat|"
+                     r"forecast: final|ALERT \[forecast\]", re.IGNORECASE)
 
 
 def spent_usd(ws: Workspace) -> float | None:
@@ -216,8 +217,10 @@ def describe_event(e: dict[str, Any]) -> str | None:
     if kind == "exit":
         return f"watchdog: trainer pid {e.get('pid')} exited with code {e.get('exit_code')} ({e.get('reason')})"
     if kind == "relaunch":
+        # The relaunch delay only: the downtime (exit -> the next completed step) is the manifest's
+        # restart_cost, printed after the export.
         return (f"watchdog: relaunch #{e.get('restart')} after {e.get('reason')} (exit {e.get('exit_code')}), "
-                f"trainer down {e.get('downtime_seconds')} s")
+                f"{e.get('downtime_seconds')} s after the exit")
     if kind == "terminate":
         ok = "terminated" if e.get("ok") else f"terminate FAILED: {e.get('error')}"
         return f"watchdog: instance {e.get('instance_id')} {ok} ({e.get('termination_file', '')})"
@@ -274,7 +277,9 @@ def demo_env(ws: Workspace, ports: Ports, sched: Schedule, instance_id: str) -> 
         "TRAIN_EXTRA_ARGS": extra,
         # A tiny trainer starts in seconds: minutes of grace would only slow a stuck demo down.
         "STALL_SECONDS": "120", "STARTUP_GRACE_SECONDS": "120", "MAX_RESTARTS": "3",
-        "TERMINATE_ON_FINISH": "1", "MLFLOW_WORKERS": "1", **ports.env(),
+        # The run folder is copied to RESULTS_DIR before the (fake) instance is terminated: on a
+        # real host, storage that outlives the instance.
+        "TERMINATE_ON_FINISH": "1", "RESULTS_DIR": str(ws.root / "results"), "MLFLOW_WORKERS": "1", **ports.env(),
     }
     path = ws.root / "demo.env"
     path.write_text("# written by python -m x1_pretrain.demo: the .env of the demo's run\n"
@@ -364,30 +369,38 @@ def preempt(ws: Workspace, console: Console, step: int) -> int | None:
 
 
 def finish_run(ws: Workspace, steps: OneShots, mlflow_uri: str, console: Console, band: tuple[float, float]) -> int:
-    """export_run, postmortem, dod; returns dod's exit code."""
+    """The run folder with the demo's band, then the DoD table; 0 only when every step succeeded.
+
+    The trainer (--run-dir) already wrote the folder at its final exit, with the default band,
+    and the watchdog added termination.json to it. `finish` writes it again from the same run
+    with the demo's band (manifest, plots and dod agree on it): it replaces an earlier export
+    (never a folder of something else) and keeps the post-mortem draft."""
     py = sys.executable
     run_id = None
     run_file = ws.checkpoints / "mlflow-run.json"
     if run_file.is_file():
         run_id = json.loads(run_file.read_text(encoding="utf-8")).get("run_id")
-    export = [py, "-m", "x1_pretrain.export_run", "--mlflow-uri", mlflow_uri, "--output", str(ws.run_dir),
+    lo_hi = [f"{band[0]:g}", f"{band[1]:g}"]
+    finish = [py, "-m", "x1_pretrain.finish", "--mlflow-uri", mlflow_uri, "--output", str(ws.run_dir),
               "--ckpt-dir", str(ws.checkpoints), "--budget-file", str(ws.budget_file),
               "--termination-file", str(ws.termination_file), "--events-file", str(ws.events_file),
-              "--band", f"{band[0]:g}", f"{band[1]:g}"]
-    postmortem = [py, "-m", "x1_pretrain.postmortem", "--mlflow-uri", mlflow_uri,
-                  "--output", str(ws.run_dir / "spike-postmortem.md")]
-    if run_id:
-        export += ["--run-id", run_id]
-        postmortem += ["--run-id", run_id]
-    for name, argv in (("export_run", export), ("postmortem", postmortem)):
-        t = time.monotonic()
-        code = steps.run(name, argv, timeout=300)
-        console.say(f"{name}: exit {code} ({time.monotonic() - t:.1f} s)" + (f"; see {ws.log(name)}" if code else ""))
-    code = steps.run("dod", [py, "-m", "x1_pretrain.dod", str(ws.run_dir), "--band", f"{band[0]:g}", f"{band[1]:g}",
+              "--band", *lo_hi, "--cap-usd", f"{CAP_USD:g}", *(["--run-id", run_id] if run_id else [])]
+    t = time.monotonic()
+    finished = steps.run("finish", finish, timeout=300)
+    console.say(f"finish (export_run, post-mortem, dod with the band {band[0]:g}-{band[1]:g}): exit {finished} "
+                f"({time.monotonic() - t:.1f} s)" + (f"; see {ws.log('finish')}" if finished else ""))
+    code = steps.run("dod", [py, "-m", "x1_pretrain.dod", str(ws.run_dir), "--band", *lo_hi,
                              "--cap-usd", f"{CAP_USD:g}"], timeout=300)
+    try:
+        cost = json.loads((ws.run_dir / "manifest.json").read_text(encoding="utf-8")).get("restart_cost") or {}
+    except (OSError, ValueError):
+        cost = {}
+    for r in cost.get("restarts", []):
+        console.say(f"restart #{r.get('restart')}: downtime {r.get('downtime_seconds')} s "
+                    f"({cost.get('downtime_note', 'the exit -> the next completed step')})")
     console.section("Definition of done")
     print(ws.log("dod").read_text(encoding="utf-8", errors="replace").rstrip(), flush=True)
-    return code
+    return code or finished
 
 
 def print_artifacts(ws: Workspace) -> None:
@@ -479,7 +492,8 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     if code != 0:
         print(f"\nThe run did not finish (final decision: exit {code}): see {ws.logs}/watchdog.log", flush=True)
         return dod_code or 1
-    print("\nAll DoD checks pass." if dod_code == 0 else f"\nDoD: a check failed (dod exit {dod_code}).", flush=True)
+    print("\nAll DoD checks pass." if dod_code == 0 else f"\nA step failed or a DoD check failed (exit {dod_code}): "
+          f"see {ws.logs}/finish.log and dod.log.", flush=True)
     return dod_code
 
 

@@ -6,6 +6,12 @@ DDP by default; FSDP2 (`fully_shard`) when the config says `train.distributed: f
 logs, reads the budget and writes checkpoints; decisions (stop, budget, divergence) are agreed on
 with one tiny all-reduce per optimizer step, so every rank leaves the loop at the same step with
 the same exit code.
+
+Across hosts (torchrun --nnodes N, trainer/entrypoint.sh's NNODES) nothing changes in the loop:
+global rank 0 is the one writer (checkpoints, MLflow, heartbeat, run folder) wherever the
+rendezvous put it, and `Dist.node` says which host this is. Every collective gives up after
+X1_DIST_TIMEOUT_SECONDS (600 by default): a peer that froze or vanished without closing its
+sockets ends the group with an error, which torchrun turns into a group restart or an exit.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +28,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from x1_pretrain.config import ConfigError
+
+TIMEOUT_ENV = "X1_DIST_TIMEOUT_SECONDS"
+# Long enough for rank 0's pre-launch budget wait (5 min) and checkpoint writes, which the other
+# ranks wait out in a collective; a dead peer still ends the group, and the group restarts.
+TIMEOUT_DEFAULT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Node:
+    """Which host of the group this process runs on, as torchrun's rendezvous assigned it."""
+
+    rank: int  # torchrun's GROUP_RANK: 0..nnodes-1, not tied to the rendezvous endpoint's host
+    count: int  # nnodes
+    hostname: str
+
+    def labels(self) -> dict[str, str]:
+        return {"node_rank": str(self.rank), "nnodes": str(self.count), "hostname": self.hostname}
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -28,6 +54,7 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    node: Node = Node(0, 1, socket.gethostname())
 
     @property
     def is_main(self) -> bool:
@@ -47,17 +74,34 @@ def pick_device(pref: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def collective_timeout() -> datetime.timedelta:
+    """X1_DIST_TIMEOUT_SECONDS, checked (ConfigError: exit 2): how long a collective, and the
+    group's init, may wait for the slowest rank."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return datetime.timedelta(seconds=TIMEOUT_DEFAULT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 1 <= seconds <= 86400:
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r}: expected seconds between 1 and 86400")
+    return datetime.timedelta(seconds=seconds)
+
+
 def init(device_pref: str) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    node = Node(rank=int(os.environ.get("GROUP_RANK", "0")), count=max(world // max(local_world, 1), 1),
+                hostname=socket.gethostname())
+    timeout = collective_timeout()
     device = pick_device(device_pref, local)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # Long enough for rank 0's pre-launch budget wait (5 min) and checkpoint writes; a dead
-        # peer still ends the group, and the watchdog relaunches it.
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
-    return Dist(rank=rank, world_size=world, local_rank=local, device=device)
+        dist.init_process_group(backend=backend, timeout=timeout)
+    return Dist(rank=rank, world_size=world, local_rank=local, device=device, node=node)
 
 
 def shutdown() -> None:

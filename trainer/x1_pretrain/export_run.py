@@ -2,7 +2,7 @@
 
     DIR/manifest.json         seed, versions, config hash + resolved config, cluster, spend, end, losses
     DIR/metrics.csv           long format step,name,value; one row per (step, name)
-    DIR/loss-curve.png        train + val loss, the seed's expected points, the DoD band
+    DIR/loss-curve.png        train + val loss, the lab's expected points, the DoD band
     DIR/gradnorm-curve.png    grad norm (before clipping) and param norm
     DIR/throughput.png        tokens/s against wall-clock hours, restarts marked
     DIR/final.safetensors     the final weights, or the newest complete checkpoint of a run that stopped early
@@ -11,7 +11,7 @@
     DIR/termination.json|png  the proof the instance was terminated, when there is one
 
 Everything is read through MlflowClient, so any tracking URI works (sqlite://, http://, the
-seed's file://). After a resume MLflow holds two values for the steps between the checkpoint and
+the lab's file://). After a resume MLflow holds two values for the steps between the checkpoint and
 the kill; the one logged last (the resumed process's) is the one that survives here.
 
 The folder is built in a temp folder beside DIR and renamed into place at the end: a failed
@@ -43,23 +43,25 @@ from x1_common.contracts import (
     ExitCode,
     end_reason,
     format_utc,
+    move_uri_credentials_to_env,
     read_budget_file,
     redact,
     scrub_record,
     utc_now,
 )
-from x1_common.fsutil import fsync_dir, make_readable, sha256_file, write_json_atomic, write_text_atomic
+from x1_common.fsutil import make_readable, sha256_file, write_json_atomic, write_text_atomic
+from x1_pretrain.outputs import NotOurFiles, place
 
 # The export is run by a person waiting at a prompt: MLflow's own client would retry an
 # unreachable server 7 times with backoff; we retry a few times ourselves and say so.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the seed's file:///workspace/mlruns
+os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the lab's file:///workspace/mlruns
 
 log = logging.getLogger("x1.export_run")
 
 MANIFEST_FORMAT = "x1-run-manifest-v1"
-DEFAULT_BAND = (3.20, 3.50)  # SPEC §8 check 2: the final val loss of the 50M run
+DEFAULT_BAND = (3.20, 3.50)  # docs/DESIGN.md §8 check 2: the final val loss of the 50M run
 REQUIRED_VERSIONS = ("torch", "flash-attn", "transformers", "numpy", "tiktoken", "mlflow")
 CONNECT_DELAYS_S = (1.0, 2.0, 4.0)  # a server that is just starting gets ~7 s
 
@@ -536,6 +538,37 @@ def predictions(model_cfg, tokens_seen: float, config: dict[str, Any]) -> dict[s
     return out
 
 
+def predicted_vs_band(model_cfg, tokens_seen: float, band: tuple[float, float]) -> str:
+    """Which number to believe when the fit's prediction and the DoD's band disagree (plan says the same)."""
+    from x1_pretrain.plan import band_note
+
+    return band_note(predictions(model_cfg, tokens_seen, {})["predicted_val_loss"], band)
+
+
+def replans(record: RunRecord) -> list[dict[str, Any]]:
+    """The run's re-plans (old and new total steps, when, why), from the trainer's x1.replan.N tags."""
+    found = []
+    for key, value in record.tags.items():
+        head, _, n = key.rpartition(".")
+        if head == "x1.replan" and n.isdigit():
+            try:
+                item = json.loads(value)
+            except ValueError:
+                item = {"text": value}
+            found.append((int(n), item if isinstance(item, dict) else {"text": value}))
+    return [item for _, item in sorted(found, key=lambda t: t[0])]
+
+
+def forecast_of(record: RunRecord, train_cfg: dict[str, Any], final: float | None) -> dict[str, Any] | None:
+    """The final-loss forecast's history and what it said at 10/25/50% (x1_pretrain.forecast)."""
+    from x1_common.contracts import MLFLOW_FORECAST_METRICS
+    from x1_pretrain.forecast import forecast_summary, history_from_series
+
+    history = history_from_series(*(record.get(k) for k in MLFLOW_FORECAST_METRICS))
+    total = _float_or_none(train_cfg.get("total_steps"))
+    return forecast_summary(history, int(total) if total else None, final)
+
+
 def spike_summary(record: RunRecord) -> dict[str, Any]:
     injected = record.flagged("spike_injected")
     skipped = record.flagged("spike_injection_skipped")
@@ -699,11 +732,16 @@ def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predic
     injected = record.flagged("spike_injected")
     window = (injected[0], injected[-1]) if injected else None
     flagged = set(record.flagged("spike"))  # spike_loss holds the injected steps' losses too
+    from x1_common.contracts import MLFLOW_FORECAST_METRICS
+    from x1_pretrain.forecast import history_from_series
+
     plots.loss_curve(out / "loss-curve.png", record.get("loss"), record.get("val_loss"), band=band,
                      predicted=predicted, title=f"{title}: loss", injection=window,
+                     forecast=history_from_series(*(record.get(k) for k in MLFLOW_FORECAST_METRICS)),
                      spikes=[(s, v) for s, v in record.get("spike_loss") if s in flagged])
     plots.gradnorm_curve(out / "gradnorm-curve.png", record.get("grad_norm"), record.get("param_norm"), clip=clip,
-                         title=f"{title}: gradient and parameter norms", injection=window)
+                         title=f"{title}: gradient and parameter norms", injection=window,
+                         spikes=record.get("spike_grad_norm"))
     wall = record.get("wall_hours")
     plots.throughput_curve(out / "throughput.png", _segments(record.get("tokens_per_sec"), wall, restart_steps),
                            gaps=_gaps(record.get("tokens_per_sec"), wall, restart_steps, downtimes),
@@ -827,6 +865,8 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
                    "experiment_id": record.experiment_id, "status": record.status, "tracking_uri": safe_uri(record.uri)},
         "seed": seed,
         "versions": versions_of(record),
+        # each speed lever the config asked for: "on", or "off: why" (x1_pretrain.levers)
+        "levers": {k.removeprefix("x1.lever."): v for k, v in sorted(record.tags.items()) if k.startswith("x1.lever.")},
         "git_sha": record.tags.get("x1.git_sha", "unknown"),
         "config_name": record.tags.get("x1.config_name") or config.resolved.get("name"),
         "config_sha256": tag_hash,
@@ -852,8 +892,13 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
         "final_val_loss_step": val[0] if val else None,
         "loss_curve_band": list(band),  # shaded on loss-curve.png; the DoD takes its band from `dod --band`
         **predictions(model_cfg, tokens_seen, config.resolved),
+        "predicted_vs_band": predicted_vs_band(model_cfg, tokens_seen, band),
         **restart_count(record, events, inputs.events),
+        "replans": replans(record),
+        "replans_note": ("each change of the total steps on a resume (after a budget stop: the steps that fitted): "
+                         "the cosine re-targeted from that step, its learning rate unchanged there"),
         "spikes": spike_summary(record),
+        "forecast": forecast_of(record, train_cfg, val[1] if val else None),
         "final_weights": {"file": weights_copy.name, "sha256": sha256_file(weights_copy),
                           "bytes": weights_copy.stat().st_size, "source": str(weights.path), "step": weights.step,
                           "why": weights.why},
@@ -898,6 +943,9 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             _copy_json_scrubbed(inputs.budget, tmp / "budget.json")
         if termination is not None and termination["file"] == "termination.png":
             shutil.copyfile(inputs.termination, tmp / "termination.png")  # type: ignore[arg-type]
+            note = inputs.termination.with_name("termination-note.txt")  # type: ignore[union-attr]
+            if note.is_file():  # what the person says the screenshot shows: dod's check 6 needs it
+                shutil.copyfile(note, tmp / note.name)
         elif termination is not None:
             _copy_json_scrubbed(inputs.termination, tmp / "termination.json")  # type: ignore[arg-type]
         clip = _float_or_none((manifest["config"].get("optim") or {}).get("grad_clip"))
@@ -946,21 +994,22 @@ def _fsync_file(path: Path) -> None:
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished folder to `out`. An existing `out` (--force) keeps the files the export
-    does not write (the post-mortem a person filled in, a termination screenshot, dod.json)."""
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    if out.exists():
-        for p in out.iterdir():
-            if not (tmp / p.name).exists():
-                (shutil.copytree if p.is_dir() else shutil.copy2)(p, tmp / p.name)
-        old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-    fsync_dir(out.parent)
+    """Rename the finished folder to `out`. An existing `out` (--force) has only an earlier export's
+    files replaced (those its manifest.json lists); every other file is kept (the post-mortem a
+    person filled in, a termination screenshot, dod.json, and anything of the folder's owner),
+    and a name the export writes that an earlier export did not is refused (x1_pretrain.outputs)."""
+    place(tmp, out, last="manifest.json", ours=_earlier_export_files(out), what="export_run")
+
+
+def _earlier_export_files(out: Path) -> set[str]:
+    """manifest.json and the files it lists, when `out` holds an earlier export's manifest."""
+    try:
+        files = json.loads((out / "manifest.json").read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return set()
+    if not isinstance(files, dict):
+        return set()
+    return {"manifest.json", *(n for n in files if isinstance(n, str) and "/" not in n and n not in ("", ".", ".."))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -999,7 +1048,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the watchdog's termination.json (or a provider's terminate answer), or a .png screenshot")
     p.add_argument("--events-file", metavar="F", help="the watchdog's events (JSON lines): restarts = its relaunches")
     p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"), default=DEFAULT_BAND,
-                   help="final val loss band shaded on loss-curve.png (default 3.20 3.50, SPEC §8)")
+                   help="final val loss band shaded on loss-curve.png (default 3.20 3.50, docs/DESIGN.md §8)")
     p.add_argument("--force", action="store_true",
                    help="replace the exported files in a non-empty --output (other files there are kept)")
     return p
@@ -1009,8 +1058,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        # user:password in the URI go to MLflow's own variables: never into a message or a file
+        args.mlflow_uri = move_uri_credentials_to_env(args.mlflow_uri, "MLFLOW_TRACKING_USERNAME",
+                                                      "MLFLOW_TRACKING_PASSWORD", "--mlflow-uri")
         out, manifest = export(args)
-    except ExportError as e:
+    except (ExportError, NotOurFiles, ValueError) as e:
         print(f"export_run: error: {e}", file=sys.stderr)
         return int(ExitCode.USAGE)
     val = manifest["final_val_loss"]

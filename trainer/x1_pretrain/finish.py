@@ -1,6 +1,6 @@
 """`python -m x1_pretrain.finish --mlflow-uri U --output DIR`: the run folder, in one command.
 
-    1. export_run    manifest, metrics, plots, final.safetensors (SPEC §3)
+    1. export_run    manifest, metrics, plots, final.safetensors (docs/DESIGN.md §3)
     2. postmortem    the spike post-mortem draft, DIR/spike-postmortem.md (kept if it exists)
     3. dod           the six checks, recorded in DIR/dod.json; check 6 (instance terminated) is
                      "pending" while the instance that runs this is still up
@@ -10,7 +10,8 @@ when given `--run-dir DIR` (compose gives /workspace/run), so the folder is comp
 workspace volume before a `--terminate-on-finish` watchdog ends the instance. The watchdog then
 writes the provider's answer into the folder as termination.json, and `dod` on the folder,
 wherever it is read later, passes check 6 too. Without terminate-on-finish: terminate the
-instance yourself, save the dashboard's screenshot as DIR/termination.png, run `dod DIR`.
+instance yourself, save the dashboard's screenshot as DIR/termination.png with a note beside it
+(DIR/termination-note.txt: which instance, when, what it shows), run `dod DIR`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-from x1_common.contracts import ExitCode
+from x1_common.contracts import ExitCode, move_uri_credentials_to_env
 
 log = logging.getLogger("x1.finish")
 
@@ -96,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
+    try:  # user:password in the URI go to MLflow's own variables: never into a message or a file
+        args.mlflow_uri = move_uri_credentials_to_env(args.mlflow_uri, "MLFLOW_TRACKING_USERNAME",
+                                                      "MLFLOW_TRACKING_PASSWORD", "--mlflow-uri")
+    except ValueError as e:
+        print(f"finish: error: {e}", file=sys.stderr)
+        return int(ExitCode.USAGE)
     extra = []
     for name in ("budget_file", "termination_file", "events_file"):
         if getattr(args, name):

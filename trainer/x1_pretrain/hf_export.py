@@ -13,13 +13,13 @@ writes into DIR:
     README.md               how to load it, and how to condition a prompt as training did
 
 so that `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` work
-with no network. The model config comes from the weights file's metadata (SPEC §4).
+with no network. The model config comes from the weights file's metadata (docs/DESIGN.md §4).
 
 Layout notes. Our RoPE rotates halves (`rotate_half`, angle i at i and i + head_dim/2) exactly as
 Hugging Face's Llama does, so Q/K rows are copied as they are: no permutation (the permutation in
 Hugging Face's own conversion script maps Meta's interleaved-pair layout, which we never use).
 The fused `wqkv` is [q; k; v] by rows and `w_gate_up` is [gate; up]: they are split by rows.
-Training saw every document after an <|endoftext|> (SPEC §3), so a prompt is conditioned as
+Training saw every document after an <|endoftext|> (docs/DESIGN.md §3), so a prompt is conditioned as
 [50256] + tokens; the tokenizer adds nothing itself (its ids equal tiktoken's `encode_ordinary`)
 and the caller prepends `bos_token_id`, as `x1_pretrain.sample` does.
 """
@@ -36,11 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from x1_common.contracts import ExitCode
-from x1_common.fsutil import fsync_dir, make_readable
+from x1_common.fsutil import make_readable
 from x1_pretrain.config import ConfigError, ModelConfig
+from x1_pretrain.outputs import NotOurFiles, place
 from x1_pretrain.tokenizer import EOT_TOKEN
 from x1_pretrain.weights import FORMAT, load_weights
 
@@ -49,6 +51,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # What `python -m x1_pretrain.sample` uses unless told otherwise; the export's generation config says the same.
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 50}
+# The export's provenance, in its model.safetensors metadata: how --force knows an earlier export.
+EXPORT_KEY = "x1.export"
+# Every file an export writes; --force replaces these in an earlier export and nothing else.
+EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt",
+                "tokenizer_config.json", "special_tokens_map.json", "README.md")
 
 
 class ExportError(ValueError):
@@ -105,7 +112,7 @@ def generation_config() -> dict[str, Any]:
 def tokenizer_config(cfg: ModelConfig) -> dict[str, Any]:
     """GPT2Tokenizer settings that give tiktoken's `encode_ordinary` ids.
 
-    `split_special_tokens`: our data treats a literal "<|endoftext|>" inside a document as text (SPEC §3),
+    `split_special_tokens`: our data treats a literal "<|endoftext|>" inside a document as text (docs/DESIGN.md §3),
     while a Hugging Face tokenizer would map it to id 50256 by default. Both the Python and the Rust
     tokenizer honour the flag from this file (4.45 and 5.x; tests/test_hf_export.py checks it).
     """
@@ -210,7 +217,7 @@ def write_export(output: Path, state: dict[str, torch.Tensor], cfg: ModelConfig,
     # "format": "pt" is what transformers checks; our own key is not "x1", so that this file, whose
     # names are Hugging Face's, is never taken for one of our weights files.
     provenance = {"source": source, "model_config": cfg.model_dump(mode="json")}
-    metadata = {"format": "pt", "x1.export": json.dumps(provenance, sort_keys=True)}
+    metadata = {"format": "pt", EXPORT_KEY: json.dumps(provenance, sort_keys=True)}
     save_file(hf_state_dict(state, cfg, dtype), str(output / "model.safetensors"), metadata=metadata)
     _write_json(output / "config.json", llama_config(cfg, dtype))
     _write_json(output / "generation_config.json", generation_config())
@@ -231,7 +238,9 @@ def export(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *
     """Export `checkpoint` (a .safetensors file, step_* folder or checkpoint dir) to the folder `output`.
 
     The folder appears only when complete: files go to a temp folder beside it, renamed at the end.
-    Raises FileNotFoundError, ConfigError or ExportError naming the problem; nothing is left behind.
+    With `force`, an existing folder keeps every file but an earlier export's (x1_pretrain.outputs).
+    Raises FileNotFoundError, ConfigError, ExportError or NotOurFiles naming the problem; nothing is
+    left behind.
     """
     output = Path(output)
     if dtype not in DTYPES:
@@ -251,19 +260,23 @@ def export(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if output.exists():  # --force: the old export goes only once the new one is complete
-            old = output.with_name(f".{output.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            output.rename(old)
-            tmp.rename(output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(output)
-        fsync_dir(output.parent)
+        # --force replaces an earlier export's files only: other files in the folder are kept.
+        place(tmp, output, last="model.safetensors", ours=earlier_export_files(output), what="hf_export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output
+
+
+def earlier_export_files(output: Path) -> set[str]:
+    """The files an earlier export wrote into `output`: every name an export writes when its
+    model.safetensors carries an export's provenance key, none otherwise (a folder of something else)."""
+    try:
+        with safe_open(str(output / "model.safetensors"), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - absent, not safetensors, unreadable: not an export of ours
+        return set()
+    return set(EXPORT_FILES) if EXPORT_KEY in metadata else set()
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -285,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                    help="weights dtype in the export (default fp32, as trained; bf16 halves the size)")
     p.add_argument("--no-tokenizer", action="store_true", help="write the model files only")
-    p.add_argument("--force", action="store_true", help="replace --output if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier export's files in --output (any other file there is kept)")
     return p
 
 
@@ -294,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export(args.checkpoint, args.output, dtype=args.dtype, with_tokenizer=not args.no_tokenizer,
                      force=args.force)
-    except (FileNotFoundError, ConfigError, ExportError) as e:
+    except (FileNotFoundError, ConfigError, ExportError, NotOurFiles) as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE
     print(f"wrote {out}")

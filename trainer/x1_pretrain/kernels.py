@@ -341,12 +341,13 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 class _NormedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                folded: torch.Tensor | None, acc: torch.Tensor | None):
+                folded: torch.Tensor | None, acc: torch.Tensor | None, lt: bool):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         if folded is None:  # else the step's copy (model.Bf16Weights): the same product, taken once per step
             folded = (weight.float() * norm_weight.float()).to(dtype)
-        z = cublaslt.matmul(x.to(dtype), folded.t())
+        z = cublaslt.matmul(x.to(dtype), folded.t(), lt)
+        ctx.lt = lt
         ctx.mark_non_differentiable(r)
         ctx.save_for_backward(x, weight, norm_weight, folded, r, acc)
         return z, r
@@ -357,20 +358,20 @@ class _NormedLinear(torch.autograd.Function):
         # x through the matmul and through r; r's gradient, sum_j dy_j z_j, equals x . (dz @ W') / r,
         # so it comes from the matmul's input gradient rather than another pass over z.
         x, weight, norm_weight, folded, r, acc = ctx.saved_tensors
-        dx_lin = cublaslt.matmul(dz, folded)
+        dx_lin = cublaslt.matmul(dz, folded, ctx.lt)
         xf, g = x.float(), dx_lin.float()
         dx = g - xf * (r * r) * (xf * g).mean(-1, keepdim=True)  # d r / d x = -r^3 x / D
         if acc is not None:  # the folded product's gradient summed over the step in fp32, split once per step
-            wgrad_accumulate(acc, dz, x.to(dz.dtype))
-            return dx.to(x.dtype), None, None, None, None, None
+            wgrad_accumulate(acc, dz, x.to(dz.dtype), ctx.lt)
+            return dx.to(x.dtype), None, None, None, None, None, None
         d_folded = dz.reshape(-1, dz.size(-1)).t() @ x.reshape(-1, x.size(-1)).to(dz.dtype)
         d_folded = d_folded.float()
         d_weight, d_norm_weight = d_folded * norm_weight.float(), (d_folded * weight.float()).sum(0)
-        return dx.to(x.dtype), d_weight.to(weight.dtype), d_norm_weight.to(norm_weight.dtype), None, None, None
+        return dx.to(x.dtype), d_weight.to(weight.dtype), d_norm_weight.to(norm_weight.dtype), None, None, None, None
 
 
 def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                  folded: torch.Tensor | None = None, acc: torch.Tensor | None = None
+                  folded: torch.Tensor | None = None, acc: torch.Tensor | None = None, lt: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(z, r) with RMSNorm(x; norm_weight, eps) @ weight.T == r * z: z = x @ (weight * norm_weight).T
     in the compute dtype, r (..., 1) fp32 the norm's 1 / rms per token.
@@ -380,8 +381,9 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
     with this r as its scale. `folded`: (weight * norm_weight) in the compute dtype, when the caller
     took it already for this optimizer step; its gradient goes to weight and norm_weight, or with
     `acc` (fp32, weight's shape) is added into acc, from which the caller takes weight's and
-    norm_weight's gradients once per step (model.Bf16Weights.publish)."""
-    return _NormedLinear.apply(x, weight, norm_weight, eps, folded, acc)
+    norm_weight's gradients once per step (model.Bf16Weights.publish). `lt`: its matmuls at their
+    tuned cuBLASLt algorithm (train.cublaslt)."""
+    return _NormedLinear.apply(x, weight, norm_weight, eps, folded, acc, lt)
 
 
 # ---- weight gradients added into fp32 by their matmul ----------------------------------------
@@ -392,33 +394,16 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
 # beta = 1), as Megatron-LM's gradient-accumulation fusion does: the bf16 gradient is never written
 # and each micro-step's sum stays in fp32.
 
-# Whether this process's torch runs the CUDA addmm with a bf16 product added into an fp32 matrix
-# in place (aten::addmm.dtype_out; some versions require the added matrix in the inputs' dtype).
-_ADDMM_INTO_FP32: bool | None = None
-
-
-def addmm_into_fp32(device: torch.device) -> bool:
-    """Whether `wgrad_accumulate` adds inside the matmul on `device` (probed once, on CUDA)."""
-    global _ADDMM_INTO_FP32
-    if device.type != "cuda":
-        return False
-    if _ADDMM_INTO_FP32 is None:
-        c = torch.zeros(8, 8, device=device)
-        a = torch.ones(16, 8, device=device, dtype=torch.bfloat16)
-        try:
-            out = torch.addmm(c, a.t(), a, out_dtype=torch.float32, out=c)
-            _ADDMM_INTO_FP32 = out.data_ptr() == c.data_ptr() and bool((c == 16).all())
-        except (RuntimeError, TypeError):
-            _ADDMM_INTO_FP32 = False
-    return _ADDMM_INTO_FP32
+addmm_into_fp32 = cublaslt.addmm_into_fp32  # the probe lives beside cuBLASLt's tuning, which needs it too
 
 
 @torch.library.custom_op("x1::wgrad_accumulate", mutates_args=("acc",))
-def wgrad_accumulate(acc: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+def wgrad_accumulate(acc: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor, lt: bool = False) -> None:
     """acc += grad_out^T @ inp, summed in fp32: a linear layer's weight gradient (out, in) added
-    into its fp32 accumulator. grad_out (..., out) and inp (..., in) in the compute dtype."""
+    into its fp32 accumulator. grad_out (..., out) and inp (..., in) in the compute dtype. `lt`: at
+    the tuned cuBLASLt algorithm (train.cublaslt), where it can run."""
     g, x = grad_out.reshape(-1, grad_out.size(-1)), inp.reshape(-1, inp.size(-1))
-    if cublaslt.use_for(g) and acc.is_contiguous():
+    if lt and cublaslt.use_for(g) and acc.is_contiguous():
         cublaslt.tuned_addmm_(acc, g.t(), x)
     elif addmm_into_fp32(acc.device):
         torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
@@ -427,5 +412,5 @@ def wgrad_accumulate(acc: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tenso
 
 
 @wgrad_accumulate.register_fake
-def _(acc, grad_out, inp) -> None:
+def _(acc, grad_out, inp, lt=False) -> None:
     return None

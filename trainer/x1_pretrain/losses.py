@@ -300,31 +300,33 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
-                acc: torch.Tensor | None) -> torch.Tensor:
-        loss, grad, scale = ce_fwd_grad(cublaslt.matmul(h, w.t()), targets, vocab)
+                acc: torch.Tensor | None, lt: bool) -> torch.Tensor:
+        loss, grad, scale = ce_fwd_grad(cublaslt.matmul(h, w.t(), lt), targets, vocab)
         ctx.save_for_backward(h, w, grad, scale, acc)
+        ctx.lt = lt
         return loss
 
     @staticmethod
     def backward(ctx, dloss: torch.Tensor):
         h, w, grad, scale, acc = ctx.saved_tensors
         d = (dloss * scale)[:, None]
-        dh = (cublaslt.matmul(grad, w) * d).to(h.dtype)
+        dh = (cublaslt.matmul(grad, w, ctx.lt) * d).to(h.dtype)
         hd = (h * d).to(h.dtype)
         if acc is not None:  # the weight gradient added into the fp32 buffer by its matmul
-            wgrad_accumulate(acc, grad, hd)
-            return dh, None, None, None, None
-        return dh, grad.t() @ hd, None, None, None
+            wgrad_accumulate(acc, grad, hd, ctx.lt)
+            return dh, None, None, None, None, None
+        return dh, grad.t() @ hd, None, None, None, None
 
 
 def head_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
-                       acc: torch.Tensor | None = None) -> torch.Tensor:
+                       acc: torch.Tensor | None = None, lt: bool = False) -> torch.Tensor:
     """Mean cross-entropy (fp32) of h (..., d_model) @ w.T against targets (...), padded columns of
     w excluded: the head and the loss of a training step, its backward two matmuls.
 
     h and w go in as they are: under autocast, the caller casts them as the head's matmul would.
-    `acc`: an fp32 buffer (w's shape) to add w's gradient into, instead of returning it."""
-    return _HeadLoss.apply(h.reshape(-1, h.size(-1)), w, targets.reshape(-1), vocab, acc).mean()
+    `acc`: an fp32 buffer (w's shape) to add w's gradient into, instead of returning it. `lt`: the
+    two matmuls at their tuned cuBLASLt algorithm (train.cublaslt)."""
+    return _HeadLoss.apply(h.reshape(-1, h.size(-1)), w, targets.reshape(-1), vocab, acc, lt).mean()
 
 
 def fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -335,3 +337,19 @@ def fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int)
 
 def fused_available(device: torch.device) -> bool:
     return triton_device(device)
+
+
+def triton_runs(device: torch.device) -> bool:
+    """The fused-kernels lever's probe: Triton compiles and runs the loss kernel on `device` and
+    agrees with PyTorch (a Triton too old for a launch option, or no C compiler for its launcher,
+    fails here at start-up instead of at the first step)."""
+    if not fused_available(device):
+        return False
+    try:
+        logits = torch.randn(4, 128, device=device, dtype=torch.bfloat16)
+        targets = torch.randint(0, 100, (4,), device=device)
+        loss, _ = ce_fwd(logits, targets, 100)
+        loss_ref, _ = _torch_fwd(logits, targets, 100)
+        return bool(torch.allclose(loss, loss_ref, atol=1e-2, rtol=1e-2))
+    except Exception:  # noqa: BLE001 - any failure to compile or launch means: not on this machine
+        return False

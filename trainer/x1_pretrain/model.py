@@ -1,4 +1,4 @@
-"""The 50M Llama-style decoder (SPEC §4): RMSNorm, SwiGLU, RoPE, grouped-query attention, tied
+"""The 50M Llama-style decoder (docs/DESIGN.md §4): RMSNorm, SwiGLU, RoPE, grouped-query attention, tied
 embedding and head, vocab padded to a tensor-core-friendly size.
 
 Parameter names are plain and stable (`tok_emb.weight`, `layers.3.attn.wqkv.weight`, ...): they
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from x1_pretrain import cublaslt
 from x1_pretrain.config import ModelConfig
 
-try:  # flash-attn ships in the NGC image; elsewhere SDPA does the same math
+try:  # flash-attn, where installed, runs only when the config asks (model.attention); SDPA is the same math
     from flash_attn import flash_attn_func  # type: ignore[import-not-found]
 except Exception:  # noqa: BLE001 - an ImportError, or a CUDA/driver mismatch at import
     flash_attn_func = None
@@ -121,18 +121,19 @@ class _LinearIntoAcc(torch.autograd.Function):
     autograd gets no gradient for the weight."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, copy: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, copy: torch.Tensor, acc: torch.Tensor, lt: bool) -> torch.Tensor:
         x = x.to(copy.dtype)  # what autocast does to a linear layer's input
         ctx.save_for_backward(x, copy, acc)
-        return cublaslt.matmul(x, copy.t())
+        ctx.lt = lt
+        return cublaslt.matmul(x, copy.t(), lt)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         from x1_pretrain.kernels import wgrad_accumulate
 
         x, copy, acc = ctx.saved_tensors
-        wgrad_accumulate(acc, dy, x)
-        return cublaslt.matmul(dy, copy), None, None
+        wgrad_accumulate(acc, dy, x, ctx.lt)
+        return cublaslt.matmul(dy, copy, ctx.lt), None, None, None
 
 
 def _copy(copies: dict[str, Any] | None, key: str) -> torch.Tensor | None:
@@ -144,14 +145,16 @@ def _acc(copies: dict[str, Any] | None, key: str) -> torch.Tensor | None:
     return None if copies is None else copies.get(key + ".acc")
 
 
-def _linear(x: torch.Tensor, layer: nn.Linear, copies: dict[str, Any] | None, key: str) -> torch.Tensor:
+def _linear(x: torch.Tensor, layer: nn.Linear, copies: dict[str, Any] | None, key: str, lt: bool = False
+            ) -> torch.Tensor:
     """layer(x), with the weight's bf16 copy for this optimizer step when there is one (and its
-    gradient added into an fp32 buffer, when the step accumulates that way)."""
+    gradient added into an fp32 buffer, when the step accumulates that way). `lt`: the matmuls at
+    the cuBLASLt algorithm tuned for them (train.cublaslt), where they run on a GPU."""
     copy, acc = _copy(copies, key), _acc(copies, key)
     if copy is None:
         return layer(x)
     if acc is not None:
-        return _LinearIntoAcc.apply(x, copy, acc)
+        return _LinearIntoAcc.apply(x, copy, acc, lt)
     return F.linear(x, _Bf16Copy.apply(layer.weight, copy))
 
 
@@ -163,13 +166,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.backend = "sdpa"
         self.fused = False  # kernels.rope_qkv instead of PyTorch ops (training on CUDA)
+        self.lt = False  # tuned cuBLASLt matmuls (Transformer.use_cublaslt)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
         copies: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        qkv = _linear(x, self.wqkv, copies, "wqkv")
-        return _linear(self.attend(qkv, cos, sin, cache, layer), self.wo, copies, "wo")
+        qkv = _linear(x, self.wqkv, copies, "wqkv", self.lt)
+        return _linear(self.attend(qkv, cos, sin, cache, layer), self.wo, copies, "wo", self.lt)
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                layer: int = 0, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,9 +225,10 @@ class MLP(nn.Module):
         self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
         self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
         self.fused = False  # kernels.swiglu instead of PyTorch ops (training on CUDA)
+        self.lt = False  # tuned cuBLASLt matmuls (Transformer.use_cublaslt)
 
     def forward(self, x: torch.Tensor, copies: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        gate_up = _linear(x, self.w_gate_up, copies, "w_gate_up")
+        gate_up = _linear(x, self.w_gate_up, copies, "w_gate_up", self.lt)
         if self.fused and FUSED_SWIGLU:
             from x1_pretrain.kernels import swiglu
 
@@ -231,7 +236,7 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up
-        return _linear(h, self.w_down, copies, "w_down")
+        return _linear(h, self.w_down, copies, "w_down", self.lt)
 
 
 class Block(nn.Module):
@@ -261,12 +266,13 @@ class Block(nn.Module):
         never written, and RoPE's and SwiGLU's kernels apply the norms' per-token scale."""
         from x1_pretrain.kernels import normed_linear, swiglu
 
+        lt = self.attn.lt
         qkv, r = normed_linear(x, self.attn.wqkv.weight, self.attn_norm.weight, self.attn_norm.eps,
-                               _copy(copies, "wqkv_folded"), _acc(copies, "wqkv_folded"))
-        x = x + _linear(self.attn.attend(qkv, cos, sin, scale=r), self.attn.wo, copies, "wo")
+                               _copy(copies, "wqkv_folded"), _acc(copies, "wqkv_folded"), lt)
+        x = x + _linear(self.attn.attend(qkv, cos, sin, scale=r), self.attn.wo, copies, "wo", lt)
         gate_up, r = normed_linear(x, self.mlp.w_gate_up.weight, self.mlp_norm.weight, self.mlp_norm.eps,
-                                   _copy(copies, "w_gate_up_folded"), _acc(copies, "w_gate_up_folded"))
-        return x + _linear(swiglu(gate_up, r), self.mlp.w_down, copies, "w_down")
+                                   _copy(copies, "w_gate_up_folded"), _acc(copies, "w_gate_up_folded"), lt)
+        return x + _linear(swiglu(gate_up, r), self.mlp.w_down, copies, "w_down", lt)
 
 
 class Transformer(nn.Module):
@@ -280,6 +286,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.fused_loss = False  # losses.fused_cross_entropy instead of an fp32 copy of the logits
+        self.lt = False  # tuned cuBLASLt matmuls (use_cublaslt)
         # None: the stream keeps the embedding's dtype (fp32). bf16: cast once after the lookup;
         # under bf16 autocast every block's output is bf16 too, so the whole stream stays bf16.
         self.residual_dtype: torch.dtype | None = None
@@ -300,6 +307,13 @@ class Transformer(nn.Module):
     def set_attention_backend(self, backend: str) -> None:
         for block in self.layers:
             block.attn.backend = backend
+
+    def use_cublaslt(self, on: bool) -> None:
+        """Every matmul of the training step at the cuBLASLt algorithm timed fastest for its shape
+        on this GPU (x1_pretrain.cublaslt; train.cublaslt), where it runs on a GPU in 16 bits."""
+        self.lt = on
+        for block in self.layers:
+            block.attn.lt = block.mlp.lt = on
 
     def use_kernels(self, on: bool) -> None:
         """Our Triton kernels (cross-entropy, RoPE, SwiGLU) instead of PyTorch's ops; same math."""
@@ -346,8 +360,8 @@ class Transformer(nn.Module):
             if torch.is_autocast_enabled(h.device.type):  # the casts autocast gives the head's F.linear
                 dtype = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dtype), w.to(dtype)
-            return head_cross_entropy(h, w, targets, self.cfg.vocab_size, acc)
-        logits = F.linear(h, w) if acc is None else _LinearIntoAcc.apply(h, w, acc)  # (B, T, padded V); tied head
+            return head_cross_entropy(h, w, targets, self.cfg.vocab_size, acc, self.lt)
+        logits = F.linear(h, w) if acc is None else _LinearIntoAcc.apply(h, w, acc, self.lt)  # (B, T, padded V); tied head
         if self.fused_loss:
             from x1_pretrain.losses import fused_cross_entropy
 
@@ -429,7 +443,7 @@ class Bf16Weights:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay on matrices; none on norms and the (tied) embedding (SPEC §5)."""
+    """Decay on matrices; none on norms and the (tied) embedding (docs/DESIGN.md §5)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -28,7 +28,7 @@ DPI = 110
 
 @dataclass(frozen=True)
 class SeedPoint:
-    """One row of the seed's "expected loss curve" table (50M config, 1x A100, ~24 h)."""
+    """One row of the lab's "expected loss curve" table (50M config, 1x A100, ~24 h)."""
 
     hour: float
     step: int
@@ -73,8 +73,9 @@ def loss_curve(
     title: str,
     injection: tuple[int, int] | None = None,
     spikes: Series = (),
+    forecast: Sequence[dict[str, float]] = (),
 ) -> None:
-    """Train and val loss vs step, the seed's expected points where the steps overlap, and the
+    """Train and val loss vs step, the lab's expected points where the steps overlap, and the
     definition-of-done band shaded."""
     fig, ax = plt.subplots(figsize=(9, 5))
     if train:
@@ -86,13 +87,13 @@ def loss_curve(
     last_step = max([s for s, _ in train] + [s for s, _ in val] + [0])
     seed = [p for p in SEED_EXPECTED if p.step <= last_step]
     if seed:
-        # The seed's table is for the 50M run: on a short or tiny run only its first rows overlap.
+        # The lab's table is for the 50M run: on a short or tiny run only its first rows overlap.
         ax.plot([p.step for p in seed], [p.train_loss for p in seed], "x", color="black", ms=8, mew=2,
-                label="seed's expectation for the 50M run: train")
+                label="the lab's expectation for the 50M run: train")
         seed_val = [p for p in seed if p.val_loss is not None]
         if seed_val:
             ax.plot([p.step for p in seed_val], [p.val_loss for p in seed_val], "o", mfc="none", color="black",
-                    ms=8, label="seed's expectation for the 50M run: val")
+                    ms=8, label="the lab's expectation for the 50M run: val")
     ax.axhspan(band[0], band[1], color="tab:green", alpha=0.12, lw=0,
                label=f"final val loss band [{band[0]:.2f}, {band[1]:.2f}]")
     if predicted is not None:
@@ -102,6 +103,16 @@ def loss_curve(
             ax.axhline(predicted, color="tab:purple", ls="--", lw=1, label=label)
         else:  # a tiny run's prediction is far above its curve: say it, do not squash the curve for it
             ax.plot([], [], " ", label=label + ", off the chart")
+    if forecast:  # each eval's forecast of the final val loss, drawn at the step it was made
+        steps = [h["step"] for h in forecast]
+        ax.plot(steps, [h["value"] for h in forecast], "--", color="tab:red", lw=1,
+                label="forecast of the final val loss, as made at each eval")
+        ax.fill_between(steps, [h["low"] for h in forecast], [h["high"] for h in forecast], color="tab:red",
+                        alpha=0.12, lw=0, label="its calibrated interval")
+        last = forecast[-1]
+        ax.errorbar([last["step"]], [last["value"]], yerr=[[last["value"] - last["low"]], [last["high"] - last["value"]]],
+                    fmt="D", color="tab:red", ms=5, capsize=3,
+                    label=f"last forecast: {last['value']:.3f} [{last['low']:.3f}, {last['high']:.3f}]")
     _shade_window(ax, injection, "injected spike")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
@@ -119,18 +130,24 @@ def gradnorm_curve(
     clip: float | None,
     title: str,
     injection: tuple[int, int] | None = None,
+    spikes: Series = (),
 ) -> None:
-    """Grad norm (before clipping, log scale, the clip threshold drawn) above param norm."""
+    """Grad norm (before clipping, log scale, the clip threshold drawn) above param norm. `spikes`:
+    the grad norms of the injected and flagged steps, logged at the step itself; the log steps
+    (every log_every) rarely fall on them, so without these the spike would not show."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    if grad_norm:
-        top.plot(*_xy(grad_norm), color="tab:red", lw=1)
-        if all(v > 0 for _, v in grad_norm):
+    if spikes:
+        top.plot(*_xy(spikes), "x", color="black", ms=7, mew=1.5, label="grad norm at an injected or flagged step")
+    if grad_norm or spikes:
+        top.plot(*_xy(sorted([*grad_norm, *spikes])), color="tab:red", lw=1)
+        if all(v > 0 for _, v in [*grad_norm, *spikes]):
             top.set_yscale("log")  # a spike can be 100x the usual norm
             plain = FuncFormatter(lambda v, _: f"{v:g}")
             top.yaxis.set_major_formatter(plain)
             top.yaxis.set_minor_formatter(plain)
     if clip is not None:
         top.axhline(clip, color="black", ls="--", lw=1, label=f"clip threshold {clip:g}")
+    if clip is not None or spikes:
         top.legend(fontsize=8)
     _shade_window(top, injection, None)
     top.set_ylabel("grad norm (before clip)")

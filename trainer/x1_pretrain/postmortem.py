@@ -8,7 +8,7 @@ log one, the line says "not measured" and draws no conclusion from its absence. 
 Response and Lessons sections are prompts marked `TODO(person)` for the person who ran it: this
 tool never writes a cause it cannot know.
 
-Steps are MLflow's: they count completed optimizer steps, so the batches of step N (the seed's
+Steps are MLflow's: they count completed optimizer steps, so the batches of step N (the lab's
 `--inject-spike-at-step N`) are logged at MLflow step N+1.
 """
 
@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from x1_common.contracts import ExitCode, format_utc, utc_now
-from x1_common.fsutil import write_text_atomic
+from x1_common.contracts import ExitCode, format_utc, move_uri_credentials_to_env, utc_now
+from x1_common.fsutil import current_umask, write_text_atomic
 from x1_pretrain.export_run import ExportError, RunRecord, Series, load_run, safe_uri
 from x1_pretrain.spikes import SpikeDetector
 
@@ -462,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     output = Path(args.output)
     try:
+        # user:password in the URI go to MLflow's own variables: never into a message or a file
+        args.mlflow_uri = move_uri_credentials_to_env(args.mlflow_uri, "MLFLOW_TRACKING_USERNAME",
+                                                      "MLFLOW_TRACKING_PASSWORD", "--mlflow-uri")
         if output.exists() and not args.force:
             raise ExportError(f"--output {output} exists (it may hold what a person wrote): pass --force to replace it")
         if output.suffix.lower() != ".md":
@@ -469,13 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         if not output.parent.is_dir():
             raise ExportError(f"--output {output}: folder {output.parent} does not exist (run export_run first)")
         record = load_run(args.mlflow_uri, args.run_id, args.experiment)
-    except ExportError as e:
+    except (ExportError, ValueError) as e:
         print(f"postmortem: error: {e}", file=sys.stderr)
         return int(ExitCode.USAGE)
     text, plots_written = write_postmortem(record, output)
     write_text_atomic(output, text)  # after the plots: the file never points at a missing picture
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask(output.parent)
     for path in (output, *plots_written):
         os.chmod(path, 0o666 & ~umask)  # for reading, like every file a person gets from us
     print(f"wrote {output}" + (f" and {', '.join(p.name for p in plots_written)}" if plots_written else "")

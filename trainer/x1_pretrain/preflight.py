@@ -1,9 +1,11 @@
-"""What machine is this? Printed, logged to MLflow, and checked against the seed's instance spec
-(1x A100 80GB SXM4 preferred, >= 16 vCPUs, >= 64 GB RAM, 500 GB NVMe) before a paid hour starts."""
+"""What machine is this? Printed, logged to MLflow, and checked against the recommended instance
+(docs/DEPLOY.md: 1x A100 80GB SXM4 preferred, >= 16 vCPUs, >= 64 GB RAM, ~50 GB free disk for the
+data, the tokens and the checkpoints) before a paid hour starts."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +15,8 @@ import torch
 
 from x1_pretrain.accounting import GPU_PEAK_TFLOPS, detect_gpu_key
 
-SEED_SPEC = {"vcpus": 16, "ram_gb": 64, "disk_gb": 500}
+INSTANCE_SPEC = {"vcpus": 16, "ram_gb": 64, "disk_free_gb": 50}  # docs/DEPLOY.md, "Check the host"
+DISK_FLOOR_GB = 20  # under this, the next checkpoints may not fit at all
 
 
 def _nvidia_smi(query: str) -> str | None:
@@ -99,15 +102,16 @@ def warnings_for(info: dict[str, Any]) -> list[str]:
         if info["gpu_key"] not in ("a100-80gb", "h100-sxm", "h200"):
             w.append(f"GPU {info['gpu_name']}: the plan assumes an A100 80GB (H100/H200 also fine); re-run `plan` with this GPU's throughput")
         if info["gpu_form_factor"] == "PCIe":
-            w.append("PCIe GPU: expect 5-10% lower throughput than SXM (the seed's note)")
-    if (info["vcpus"] or 0) < SEED_SPEC["vcpus"]:
-        w.append(f"{info['vcpus']} vCPUs < {SEED_SPEC['vcpus']}: tokenizing and data loading may starve the GPU")
-    if info["ram_gb"] and info["ram_gb"] < SEED_SPEC["ram_gb"]:
-        w.append(f"{info['ram_gb']} GB RAM < {SEED_SPEC['ram_gb']} GB of the seed's spec")
-    if info["disk_total_gb"] < SEED_SPEC["disk_gb"]:
-        w.append(f"disk at {info['disk_path']}: {info['disk_total_gb']} GB < the seed's {SEED_SPEC['disk_gb']} GB NVMe")
-    if info["disk_free_gb"] < 20:
+            w.append("PCIe GPU: expect 5-10% lower throughput than SXM")
+    if (info["vcpus"] or 0) < INSTANCE_SPEC["vcpus"]:
+        w.append(f"{info['vcpus']} vCPUs < {INSTANCE_SPEC['vcpus']}: tokenizing and data loading may starve the GPU")
+    if info["ram_gb"] and info["ram_gb"] < INSTANCE_SPEC["ram_gb"]:
+        w.append(f"{info['ram_gb']} GB RAM < the {INSTANCE_SPEC['ram_gb']} GB recommended (docs/DEPLOY.md)")
+    if info["disk_free_gb"] < DISK_FLOOR_GB:
         w.append(f"only {info['disk_free_gb']} GB free at {info['disk_path']}: checkpoints may not fit")
+    elif info["disk_free_gb"] < INSTANCE_SPEC["disk_free_gb"]:
+        w.append(f"{info['disk_free_gb']} GB free at {info['disk_path']} < the ~{INSTANCE_SPEC['disk_free_gb']} GB the "
+                 "data, the tokens and the checkpoints need (docs/DEPLOY.md)")
     if info["gpu_count"] and info["attention"] != "flash-attn":
         w.append("flash-attn not importable: using PyTorch SDPA (same math; on H100/H200 SDPA's flash backend is as fast)")
     return w
@@ -124,3 +128,30 @@ def render(info: dict[str, Any], warnings: list[str]) -> str:
     ]
     lines += [f"preflight WARNING: {w}" for w in warnings]
     return "\n".join(lines)
+
+
+def driver_version() -> str | None:
+    """The NVIDIA kernel driver's version, read where the driver publishes it (no CUDA call)."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for [\w]+)?\s+([\d.]+)", text)
+    return match.group(1) if match else None
+
+
+def cuda_init_problem() -> str | None:
+    """On a machine with an NVIDIA driver and a CUDA build of torch, why CUDA does not initialise
+    (a driver older than this torch's CUDA needs, above all), or None. Elsewhere (a CPU build, no
+    driver) None: there is nothing to initialise."""
+    driver = driver_version()
+    if torch.version.cuda is None or driver is None:
+        return None
+    try:
+        torch.cuda.init()
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError or its own error types here
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return (f"CUDA {torch.version.cuda} (this torch's build, {torch.__version__}) does not initialise with the "
+                f"NVIDIA driver {driver}: {first}. CUDA 13 needs a driver of the R580 branch or newer "
+                "(docs/DEPLOY.md, host checks)")
+    return None

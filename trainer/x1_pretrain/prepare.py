@@ -3,10 +3,10 @@
     python -m x1_pretrain.prepare --output-dir /workspace/data [--source fineweb-edu|pile-cc]
         [--max-shards N] [--workers 16] [--val-fraction 0.001] [--seed 42] [--no-fallback] [--force]
 
-The seed's data recipe as one step (compose runs it as the one-shot `prepare` service):
+The lab's data recipe as one step (compose runs it as the one-shot `prepare` service):
 1. FineWeb-Edu `sample/10BT/*.parquet` from the Hugging Face hub into `<output-dir>/fineweb-edu/`;
-2. the seed's shard-count check (`ls sample/10BT/ | wc -l`, ~96 files);
-3. when the hub refuses (gated, bad token, rate limit), the seed's fallback: the Pile
+2. the lab's shard-count check (`ls sample/10BT/ | wc -l`, ~96 files);
+3. when the hub refuses (gated, bad token, rate limit), the lab's fallback: the Pile
    (`monology/pile-uncopyrighted`, `test/*.jsonl.zst`) into `<output-dir>/pile-cc/`;
 4. `x1_pretrain.tokenize_data` into `<output-dir>/tokenized` (train.bin, val.bin, meta.json).
 
@@ -45,7 +45,7 @@ class Source:
     name: str  # also the folder under --output-dir
     repo_id: str
     pattern: str  # files to fetch, relative to the repo root (fnmatch, as the hub's allow_patterns)
-    seed_shards: int | None  # how many files the seed expects from a full download
+    seed_shards: int | None  # how many files the lab expects from a full download
 
     def local_dir(self, output_dir: Path) -> Path:
         return output_dir / self.name
@@ -60,7 +60,7 @@ class Source:
 
 
 FINEWEB_EDU = Source("fineweb-edu", "HuggingFaceFW/fineweb-edu", "sample/10BT/*.parquet", seed_shards=96)
-# The seed's Option B: same shape (documents with a `text` field), lower quality, far fewer tokens.
+# The lab's Option B: same shape (documents with a `text` field), lower quality, far fewer tokens.
 PILE_CC = Source("pile-cc", "monology/pile-uncopyrighted", "test/*.jsonl.zst", seed_shards=None)
 SOURCES = {s.name: s for s in (FINEWEB_EDU, PILE_CC)}
 FALLBACK = {FINEWEB_EDU.name: PILE_CC}
@@ -131,13 +131,13 @@ class ShardCheck:
 
 
 def check_shards(found: int, listed: int, max_shards: int | None, seed_shards: int | None) -> ShardCheck:
-    """The seed's `ls sample/10BT/ | wc -l`, against what the hub lists (the authority) and the seed's ~96."""
+    """The lab's `ls sample/10BT/ | wc -l`, against what the hub lists (the authority) and the lab's ~96."""
     wanted = min(listed, max_shards) if max_shards else listed
     if found == 0 or found < wanted:
         return ShardCheck(False, f"{found} of {wanted} shards on disk; run the same command again to resume the download")
     warning = None
     if max_shards is None and seed_shards and found < seed_shards:
-        warning = (f"{found} shards, fewer than the seed's ~{seed_shards}: the hub lists {listed}, "
+        warning = (f"{found} shards, fewer than the lab's ~{seed_shards}: the hub lists {listed}, "
                    f"so the dataset's layout changed; check the token count in meta.json against the plan")
     return ShardCheck(True, f"{found} of {wanted} shards on disk", warning)
 
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", default=FINEWEB_EDU.name, choices=list(SOURCES),
                    help="fineweb-edu (default; the Pile when the hub refuses it) or pile-cc")
     p.add_argument("--max-shards", type=int, default=0, help="fetch only the first N shards (0 = all, the default)")
-    p.add_argument("--workers", type=int, default=16, help="tokenizer processes (the seed's 16)")
+    p.add_argument("--workers", type=int, default=16, help="tokenizer processes (the lab's 16)")
     p.add_argument("--val-fraction", type=float, default=0.001, help="share of documents held out for val.bin")
     p.add_argument("--seed", type=int, default=42, help="seed of the train/val split")
     p.add_argument("--no-fallback", action="store_true", help="fail instead of falling back to the Pile")

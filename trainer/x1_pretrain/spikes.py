@@ -1,9 +1,9 @@
-"""Loss spikes: a detector that flags them, and the seed's injection of one (SPEC §5).
+"""Loss spikes: a detector that flags them, and the lab's injection of one (docs/DESIGN.md §5).
 
 `--inject-spike-at-step N` replaces every micro-batch of steps N..N+4 with sequences of rare
 tokens (the bottom 1% of the training unigram distribution), which a model trained on real text
 finds very surprising. If a natural spike was detected before step N, the injection is skipped
-and the post-mortem is written about that one instead (the seed's rule).
+and the post-mortem is written about that one instead (the lab's rule).
 """
 
 from __future__ import annotations

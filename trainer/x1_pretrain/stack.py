@@ -24,7 +24,8 @@ only by the watchdog. Ctrl-C, SIGTERM or `down` stop them in the reverse order: 
 forwards the stop to the trainer, which writes its emergency checkpoint and exits 75, recorded as
 a requested stop and not relaunched; then the sidecar, MLflow and Prometheus. `up` again, after a
 `down`, a reboot or a pod resume, continues the run from its latest checkpoint; a final decision
-of the watchdog (finished, budget stop, divergence, given up) is honoured: it does not relaunch.
+of the watchdog (finished, budget stop, divergence, given up, start-up failure) is honoured: it
+does not relaunch.
 
 One stack per workspace: `up` takes a lease on the workspace (x1_pretrain.lease) and a second `up`
 is refused, exit 2, naming the first, which it leaves alone. Logs: WS/logs/<service>.log, the
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -47,6 +49,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -88,6 +91,8 @@ STOP_GRACE = {"watchdog": 100.0}
 HEALTHY_TIMEOUT_S = 300.0  # MLflow's first start (database migrations) and the sidecar's first reading
 RESTART_BACKOFF_MAX_S = 60.0
 DETACHED_ENV = "X1_STACK_DETACHED"  # set for the runner `up -d` leaves in the background
+# Where running stacks claim their ports (PortReservation); shared by every stack on this host.
+PORTS_DIR = Path(os.environ.get("X1_STACK_PORTS_DIR") or Path(tempfile.gettempdir()) / "x1-stack-ports")
 
 log = logging.getLogger("x1.stack")
 
@@ -224,6 +229,45 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+class PortReservation:
+    """A stack's claim on its ports, on this host, for as long as its runner lives.
+
+    The port check alone misses a port whose server is down for a moment: the trainer between
+    a crash and its relaunch, or still loading. A second stack given the same port would pass
+    the check, and Prometheus would then scrape the other run's numbers under this run's name.
+    So each runner holds a POSIX lock on PORTS_DIR/<port>.lock per port (the kernel drops it when
+    the runner dies, SIGKILL included) and writes its workspace into it for the message."""
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []
+
+    def claim(self, port: int, workspace: Path) -> str | None:
+        """None with `port` held; else who holds it, in words."""
+        PORTS_DIR.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(PORTS_DIR, 0o1777)  # every user's stacks share it, as /tmp
+        path = PORTS_DIR / f"{port}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            return f"cannot open {path} ({e.strerror})"
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 4096).decode("utf-8", errors="replace").strip()
+            os.close(fd)
+            return holder or "another X1 stack"
+        os.ftruncate(fd, 0)
+        os.write(fd, f"the X1 stack in {workspace} (runner pid {os.getpid()})".encode())
+        self._fds.append(fd)
+        return None
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # drops the lock
+        self._fds.clear()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -298,6 +342,22 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
 def http_json(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def health_body(url: str, timeout: float = 2.0) -> dict[str, Any]:
+    """The JSON a health URL answers, whatever its status (the sidecar's 503 says why); {} if none."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read(65536)
+    except urllib.error.HTTPError as e:
+        body = e.read(65536)
+    except (urllib.error.URLError, OSError):
+        return {}
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class Service:
@@ -483,7 +543,8 @@ def check_settings(s: S.Settings, ws: Workspace) -> None:
             problems.append(f"{key}: the {s['PROVIDER']} provider needs its API key (in .env or the environment)")
         if s["RATE_USD_PER_HR"]:
             problems.append(f"RATE_USD_PER_HR is for the static provider only; {s['PROVIDER']} reads its price")
-    for var in ("TOTAL_STEPS", "CKPT_EVERY", "EVAL_EVERY", "LOG_EVERY", "NPROC", "MLFLOW_WORKERS"):
+    for var in ("TOTAL_STEPS", "CKPT_EVERY", "EVAL_EVERY", "LOG_EVERY", "NPROC", "NNODES", "RDZV_JOIN_TIMEOUT",
+                "MLFLOW_WORKERS"):
         number(var, int, 1)
     for var in ("MAX_RESTARTS", "DATA_MAX_SHARDS"):
         number(var, int, 0)
@@ -499,10 +560,16 @@ def check_settings(s: S.Settings, ws: Workspace) -> None:
     with contextlib.suppress(ValueError):
         if float(s["BUDGET_ALERT_USD"]) > float(s["BUDGET_CAP_USD"]):
             problems.append(f"BUDGET_ALERT_USD={s['BUDGET_ALERT_USD']} is above BUDGET_CAP_USD={s['BUDGET_CAP_USD']}")
+    if s["NNODES"] != "1" and not (s["RDZV_ENDPOINT"] and s["RDZV_ID"]):
+        problems.append(f"NNODES={s['NNODES']} needs RDZV_ENDPOINT (HOST:PORT of one host) and RDZV_ID (the same on every host)")
     if s["TERMINATE_ON_FINISH"] not in ("0", "1"):
         problems.append(f"TERMINATE_ON_FINISH={s['TERMINATE_ON_FINISH']!r} must be 0 or 1")
     if s["TERMINATE_ON_FINISH"] == "1" and s["PROVIDER"] == "static":
         problems.append("TERMINATE_ON_FINISH=1 needs a provider with an API (lambda or runpod), not static")
+    if s["TERMINATE_ON_FINISH"] == "1" and not s["RESULTS_DIR"]:
+        problems.append("TERMINATE_ON_FINISH=1 needs RESULTS_DIR: a folder on storage that outlives the instance "
+                        "(a Lambda persistent filesystem, a RunPod network volume) where the run folder is copied "
+                        "before the terminate; the workspace dies with the instance")
     if s["PROVIDER_API_URL"] and not s["PROVIDER_API_URL"].startswith(("http://", "https://")):
         problems.append(f"PROVIDER_API_URL={s['PROVIDER_API_URL']!r} must start with http:// or https://")
     config = Path(s["X1_CONFIG"])
@@ -570,6 +637,7 @@ class Runner:
         self.state = "starting"
         self.stop_requested = threading.Event()
         self.lease: L.Lease | None = None
+        self.ports = PortReservation()
 
     # -- the record status and down read --------------------------------------------------------
 
@@ -603,23 +671,53 @@ class Runner:
         return svc
 
     def check_ports(self) -> None:
-        busy = []
+        """Every port free and claimed for this stack (PortReservation), or UsageError naming each."""
+        busy, claimed = [], []
         for name in ("mlflow-server", "budget-sidecar", "watchdog", "trainer", *(["prometheus"] if self.prometheus else [])):
             port = self.specs[name].port
-            if port and not port_is_free(port):
+            if not port:
+                continue
+            holder = self.ports.claim(port, self.ws.root)
+            if holder is not None:
+                claimed.append(f"{S.PORTS[name][1]}={port} ({name}) is claimed by {holder}")
+            elif not port_is_free(port):
                 busy.append(f"{S.PORTS[name][1]}={port} ({name})")
-        if busy:
-            raise UsageError(f"in use by another program: {', '.join(busy)}; set free ports in .env")
+        problems = ([f"in use by another program: {', '.join(busy)}"] if busy else []) + claimed
+        if problems:
+            self.ports.release()
+            raise UsageError(f"{'; '.join(problems)}; set free ports in .env")
+
+    def check_provider_accepts_the_key(self, sidecar: Service) -> None:
+        """A sidecar with no reading whose provider refused the API key (401/403) will not get one
+        by waiting: UsageError now, with the provider's answer, rather than a timeout minutes later."""
+        if sidecar.url is None:
+            return
+        health = health_body(sidecar.url + (sidecar.health_path or "/healthz"))
+        if health.get("last_error_kind") != "auth" or health.get("last_update_utc"):
+            return
+        provider = self.settings["PROVIDER"]
+        key = "LAMBDA_API_KEY" if provider == "lambda" else "RUNPOD_API_KEY"
+        answer = str(health.get("last_error") or "").rstrip(". ")
+        raise UsageError(f"the budget sidecar cannot read the spend: {answer}. The {provider} API "
+                         f"refused the key: check {key} (in {self.env_file or 'the environment'}) and INSTANCE_ID; "
+                         f"see {sidecar.log_path}")
 
     def up(self) -> None:
         """Everything started and healthy, the watchdog supervising the trainer."""
         for d in (self.ws.logs, self.ws.checkpoints, self.ws.mlruns, self.ws.root / "cache"):
             d.mkdir(parents=True, exist_ok=True)
         final = (read_json(self.ws.state_file) or {}).get("final")
-        if final:
-            log.warning("%s holds a final decision (%s, exit %s at %s): the watchdog will not launch the trainer "
-                        "(a new run needs a new workspace)", self.ws.state_file, final.get("reason"),
-                        final.get("exit_code"), final.get("time"))
+        replan = (final or {}).get("exit_code") in (76, 78) and final.get("total_steps") not in (
+            None, int(self.settings["TOTAL_STEPS"]))
+        if final and replan:
+            log.info("%s holds a budget decision (%s, exit %s at %s) for %s total steps: set aside for this re-plan "
+                     "to %s", self.ws.state_file, final.get("reason"), final.get("exit_code"), final.get("time"),
+                     final.get("total_steps"), self.settings["TOTAL_STEPS"])
+        elif final:
+            again = (" (after a budget stop: `up --total-steps N` with the N it says fits continues the run)"
+                     if final.get("exit_code") in (76, 78) else " (a new run needs a new workspace)")
+            log.warning("%s holds a final decision (%s, exit %s at %s): the watchdog will not launch the trainer%s",
+                        self.ws.state_file, final.get("reason"), final.get("exit_code"), final.get("time"), again)
         if self.prometheus:
             prometheus_config(self.ws, self.settings)
             self.start_service("prometheus")
@@ -634,10 +732,14 @@ class Runner:
             for svc in list(pending):
                 if svc.healthy(strict=True):
                     pending.remove(svc)
+                elif svc.name == "budget-sidecar":
+                    self.check_provider_accepts_the_key(svc)
             return not pending or self.stop_requested.is_set()
 
         try:
             wait_until(ready, HEALTHY_TIMEOUT_S, "MLflow and the budget sidecar", interval=0.5)
+        except UsageError:
+            raise  # it names its cause and its log already
         except StackError as e:
             raise StackError(f"{e}; see {', '.join(str(s.log_path) for s in pending)}") from None
         if self.stop_requested.is_set():
@@ -655,7 +757,14 @@ class Runner:
     def supervise(self) -> None:
         """Until a stop is asked: a service that died is restarted after a backoff that doubles while
         it keeps dying within a minute of its start (compose's unless-stopped)."""
+        final_seen = (read_json(self.ws.state_file) or {}).get("final")
         while not self.stop_requested.wait(1.0):
+            final = (read_json(self.ws.state_file) or {}).get("final")
+            if final and not final_seen:  # said once, here and in stack.log: the watchdog now holds
+                log.warning("the watchdog's final decision: %s (exit %s)%s; the trainer is not launched again "
+                            "(`python -m x1_pretrain.stack status --workspace %s`)", final.get("reason"),
+                            final.get("exit_code"), f": {final['error']}" if final.get("error") else "", self.ws.root)
+            final_seen = final_seen or final
             for name, svc in list(self.running.items()):
                 if svc.alive():
                     continue
@@ -765,11 +874,29 @@ def refuse_if_running(ws: Workspace) -> None:
                          f"`python -m x1_pretrain.stack status --workspace {ws.root}` shows it, `down` stops it")
 
 
+def check_writable(ws: Workspace) -> None:
+    """`up` writes logs, checkpoints, budget.json and MLflow's store into the workspace: one it
+    cannot write in (a read-only mount, another user's folder) is bad input, said before anything
+    starts, not an OSError from deep inside."""
+    for folder in (ws.root, ws.logs, ws.checkpoints, ws.mlruns):
+        probe = folder / f".x1-write-test-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise UsageError(f"workspace {ws.root}: cannot write in {folder} ({e.strerror}); `up` writes its logs, "
+                             "checkpoints, budget.json and MLflow's store there: give a writable --workspace") from None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     ws: Workspace = args.workspace
     settings = S.Settings.load(args.env_file)
+    if args.total_steps is not None:  # a re-plan: over the .env's TOTAL_STEPS, for the trainer and the watchdog
+        settings = S.Settings({**settings.values, "TOTAL_STEPS": str(args.total_steps)})
     check_settings(settings, ws)
     refuse_if_running(ws)  # before anything is written: the running stack is left alone
+    check_writable(ws)
     if args.detach:
         return detach(args, ws)
     runner = Runner(settings, ws, args.env_file.resolve() if args.env_file else None, not args.no_prometheus)
@@ -808,6 +935,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         code = 1
     finally:
         runner.down()
+        runner.ports.release()
         runner.lease.release()
         log.info("down")
     return code
@@ -822,6 +950,8 @@ def detach(args: argparse.Namespace, ws: Workspace) -> int:
         argv += ["--env-file", str(args.env_file.resolve())]
     if args.no_prometheus:
         argv.append("--no-prometheus")
+    if args.total_steps is not None:
+        argv += ["--total-steps", str(args.total_steps)]
     with open(ws.log("stack"), "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=REPO,
                                 env=dict(os.environ, **{DETACHED_ENV: "1"}), start_new_session=True)
@@ -897,6 +1027,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) loss (\S+) lr \S+ grad \S+ tok/s (\d+)")
+# The trainer's budget line: the billed hours its steps left need, and the projection it judges.
+BUDGET_LINE = re.compile(r"budget: [^\n]*?= ([\d.e+]+) h billed[^\n]*?projected \$([\d.]+) of \$([\d.]+)")
+# The trainer's forecast line at each eval (x1_pretrain.forecast): the final val loss and its interval.
+FORECAST_LINE = re.compile(r"forecast: (final val loss [\d.]+ \[[\d.]+, [\d.]+\] at step \d+, made at step \d+"
+                           r"|not enough points yet at step \d+/\d+)")
 
 
 def latest_checkpoint(ws: Workspace) -> str | None:
@@ -906,7 +1041,7 @@ def latest_checkpoint(ws: Workspace) -> str | None:
         return None
 
 
-def last_step_line(path: Path, chars: int = 20000) -> re.Match[str] | None:
+def last_step_line(path: Path, chars: int = 20000, pattern: re.Pattern[str] = STEP_LINE) -> re.Match[str] | None:
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
@@ -914,9 +1049,28 @@ def last_step_line(path: Path, chars: int = 20000) -> re.Match[str] | None:
     except OSError:
         return None
     found = None
-    for found in STEP_LINE.finditer(text):  # noqa: B007 - the last one
+    for found in pattern.finditer(text):  # noqa: B007 - the last one
         pass
     return found
+
+
+def at_a_glance(trainer: dict[str, Any], budget: dict[str, Any], judged: re.Match[str] | None,
+                state: dict[str, Any], last_event: dict[str, Any] | None) -> dict[str, Any]:
+    """What a person checking a paid run wants first: % done, ETA, spend so far, projected spend at
+    the finish, restarts, the last decision. None where it is not known yet."""
+    step, total = trainer.get("step"), trainer.get("total_steps")
+    scale = budget.get("time_scale") if isinstance(budget.get("time_scale"), (int, float)) else 1.0
+    eta_h = float(judged[1]) / max(float(scale), 1.0) if judged else None  # billed hours -> wall hours
+    final = state.get("final")
+    return {
+        "percent_done": round(100.0 * step / total, 1) if step is not None and total else None,
+        "eta_hours": None if final else eta_h,
+        "spent_usd": budget.get("spent_usd"),
+        "projected_at_finish_usd": float(judged[2]) if judged else budget.get("projected_total_usd"),
+        "projection_source": "the trainer's (its measured pace)" if judged else "the sidecar's" if budget else None,
+        "restarts": state.get("restarts_total"),
+        "last_decision": describe_decision(last_event),
+    }
 
 
 def collect_status(ws: Workspace) -> dict[str, Any]:
@@ -960,6 +1114,9 @@ def collect_status(ws: Workspace) -> dict[str, Any]:
                                               "last_update_utc", "stale", "source", "provider")},
         "watchdog": {"last_event": events[-1] if events else None, "final": state.get("final"),
                      "restarts_total": state.get("restarts_total")},
+        "at_a_glance": at_a_glance(trainer, budget, last_step_line(ws.log("trainer"), pattern=BUDGET_LINE), state,
+                                   events[-1] if events else None),
+        "forecast": forecast[1] if (forecast := last_step_line(ws.log("trainer"), pattern=FORECAST_LINE)) else None,
     }
 
 
@@ -974,6 +1131,9 @@ def describe_decision(e: dict[str, Any] | None) -> str:
         return f"trainer exited {e.get('exit_code')} ({how}) at {e.get('time')}"
     if kind == "relaunch":
         return f"relaunch #{e.get('restart')} after {e.get('reason')} (exit {e.get('exit_code')}) at {e.get('time')}"
+    if kind == "startup_failure":
+        return (f"start-up failure: the trainer exited {e.get('exit_code')} before its first step twice in a row "
+                f"with the same error, not relaunched (watchdog exit {e.get('watchdog_exit_code')}) at {e.get('time')}")
     if kind == "terminate":
         done = "terminated" if e.get("ok") else f"terminate FAILED ({e.get('error')})"
         return f"{done} the {e.get('provider')} instance {e.get('instance_id')} after {e.get('reason')} at {e.get('time')}"
@@ -994,6 +1154,20 @@ def render_status(st: dict[str, Any]) -> str:
         state = svc["health"] or ("running" if svc["running"] else "NOT RUNNING")
         restarts = f", restarted {svc['restarts']}x" if svc["restarts"] else ""
         lines.append(f"  {name:15s} {state:24s} pid {svc['pid']}{restarts}  {svc['url'] or ''}")
+    g = st.get("at_a_glance") or {}
+    if g:
+        def money(v: Any) -> str:
+            return f"${v:.2f}" if isinstance(v, (int, float)) else "?"
+
+        done = f"{g['percent_done']:.1f}% done" if g["percent_done"] is not None else "% done: ?"
+        eta = (f"ETA {g['eta_hours']:.2f} h" if g["eta_hours"] is not None else
+               "ETA: none (stopped)" if st["watchdog"]["final"] else "ETA: ? (no pace yet)")
+        lines.append(f"  at a glance: {done}, {eta}, spent {money(g['spent_usd'])}, projected "
+                     f"{money(g['projected_at_finish_usd'])} at the finish"
+                     + (f" ({g['projection_source']})" if g["projection_source"] else "")
+                     + f", restarts {g['restarts'] if g['restarts'] is not None else 0}; last decision: {g['last_decision']}")
+    if st.get("forecast"):
+        lines.append(f"  forecast: {st['forecast']}")
     t = st["trainer"]
     if t["step"] is not None:
         of = f"/{t['total_steps']}" if t["total_steps"] else ""
@@ -1016,6 +1190,8 @@ def render_status(st: dict[str, Any]) -> str:
         f = w["final"]
         lines.append(f"  final decision: {f.get('reason')} (exit {f.get('exit_code')} at {f.get('time')}): "
                      "the trainer is not launched again")
+        if f.get("error"):
+            lines.append(f"  the trainer's error: {f['error']}")
     return "\n".join(lines)
 
 
@@ -1046,7 +1222,8 @@ commands:
             Ctrl-C or SIGTERM stop it in order, the trainer first with its emergency checkpoint.
             Again after a `down`, a reboot or a pod resume, it continues the run from its latest
             checkpoint; a final decision of the watchdog (finished, budget stop, divergence,
-            given up: WORKSPACE/logs/watchdog-state.json) is honoured, the trainer not relaunched.
+            given up, start-up failure: WORKSPACE/logs/watchdog-state.json) is honoured, the
+            trainer not relaunched.
   status    each service's health, the trainer's step and tokens/s, spend vs cap, the watchdog's
             last decision (--json for scripts); exit 0 when running and healthy, else 1
   down      stop the stack started by `up` in WORKSPACE (also one whose runner died)
@@ -1079,6 +1256,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp, env=True)
     sp.add_argument("-d", "--detach", action="store_true", help="run in the background, return once it is up")
     sp.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus even when installed")
+    sp.add_argument("--total-steps", type=int, metavar="N",
+                    help="the run's total steps, over the .env's TOTAL_STEPS: after a budget stop, the N it says "
+                         "fits continues the run from its checkpoint (the stop's decision is set aside for this "
+                         "re-plan only)")
     sp = sub.add_parser("status", help="health, step, tokens/s, spend, the watchdog's last decision")
     common(sp, env=False)
     sp.add_argument("--json", action="store_true", help="the same as JSON")

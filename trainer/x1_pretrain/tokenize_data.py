@@ -7,7 +7,7 @@ Inputs, by extension, anywhere under D (hidden folders skipped): FineWeb-Edu `*.
 `text`), Pile-style `*.jsonl.zst` and `*.jsonl` (field `text`), `*.txt` (one document per file).
 Every document is preceded by EOT (50256); a literal "<|endoftext|>" in a text stays ordinary text.
 
-How it scales to the seed's ~96 parquet files of ~230 MB (~10B tokens):
+How it scales to the lab's ~96 parquet files of ~230 MB (~10B tokens):
 - The work is cut into shards: a parquet file by runs of row groups (so 16 workers stay busy
   with few files), a jsonl/txt file whole (a zstd stream cannot be entered mid-way). Workers
   stream their shard (record batches, zstd chunks: never a whole file in memory) and write the
@@ -837,7 +837,6 @@ def assemble(
         for name, path in tmp.items():
             os.replace(path, output_dir / name)
         write_json_atomic(output_dir / "meta.json", meta)
-        os.chmod(output_dir / "meta.json", 0o644)  # the temp file was private; the trainer may run as another user
         fsync_dir(output_dir)
     finally:
         for path in tmp.values():

@@ -28,7 +28,7 @@ log = logging.getLogger("x1.tracking")
 # backoff (7 retries by default) while the buffer fills.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-# SPEC §3 keeps the seed's file:///workspace/mlruns working; MLflow 3 calls that store legacy.
+# docs/DESIGN.md §3 keeps the lab's file:///workspace/mlruns working; MLflow 3 calls that store legacy.
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 _BATCH = 1000  # MLflow's log_batch limit for metrics
@@ -239,6 +239,14 @@ class PrometheusMetrics:
         self.val_loss = g(C.M_TRAIN_VAL_LOSS, "validation loss at the last eval, nats/token")
         self.grad_norm = g(C.M_TRAIN_GRAD_NORM, "global grad norm before clipping")
         self.lr = g(C.M_TRAIN_LR, "learning rate")
+        # NaN until the forecast has enough points: a gap in Grafana, not a number
+        self.forecast = g(C.M_TRAIN_FORECAST, "final val loss the run's curve so far points to, nats/token")
+        self.forecast_low = g(C.M_TRAIN_FORECAST_LOW, "low end of the forecast's calibrated interval, nats/token")
+        self.forecast_high = g(C.M_TRAIN_FORECAST_HIGH, "high end of the forecast's calibrated interval, nats/token")
+        for gauge in (self.forecast, self.forecast_low, self.forecast_high):
+            gauge.set(float("nan"))
+        self.node = Gauge(C.M_TRAIN_NODE_INFO, "1, labelled with the host this trainer (global rank 0) runs on: "
+                          "node_rank, nnodes, hostname", ["node_rank", "nnodes", "hostname"], registry=self.registry)
         self.spent = g(C.M_TRAIN_SPENT, "budget spent as the trainer last judged it (extrapolated), USD")
         self.projected = g(C.M_TRAIN_PROJECTED, "projected total the budget guard judges: the larger of its own and "
                            "the sidecar's, USD")
@@ -248,6 +256,11 @@ class PrometheusMetrics:
                                    "extrapolates it, USD")
         self.hours_needed = g(C.M_TRAIN_HOURS_NEEDED, "billed hours the remaining steps need at the measured pace "
                               "(evals, checkpoints, restarts included; margin not)")
+        self.progress = g(C.M_TRAIN_PROGRESS, "optimizer steps completed / total steps (0..1)")
+        self.total_steps = g(C.M_TRAIN_TOTAL_STEPS, "the run's total steps (after any re-plan)")
+        self.eta = g(C.M_TRAIN_ETA, "wall seconds the remaining steps need at the measured pace (evals, checkpoints, "
+                     "restarts included); NaN before any pace")
+        self.restarts = g(C.M_TRAIN_RESTARTS, "resumed starts of this run so far (preemptions, crashes, re-plans)")
         self.ckpt_step = g(C.M_CHECKPOINT_LAST_STEP, "step of the last complete checkpoint")
         self.ckpt_seconds = g(C.M_CHECKPOINT_SAVE_SECONDS, "seconds the last checkpoint save took")
         self.port = 0
@@ -260,15 +273,17 @@ class PrometheusMetrics:
 
 
 class Heartbeat:
-    """{"step", "time", "pid", "phase"} rewritten atomically; the watchdog reads its age."""
+    """{"step", "time", "pid", "phase"} rewritten atomically; the watchdog reads its age. `node`
+    (several hosts) adds which host wrote it: {"rank", "node_rank", "nnodes", "hostname"}."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], node: dict[str, Any] | None = None):
         self.path = Path(path)
+        self.node = node or {}
 
     def beat(self, step: int, phase: str) -> None:
         try:
-            write_json_atomic(self.path, {"step": step, "time": time.time(), "pid": os.getpid(), "phase": phase},
-                              durable=False)
+            write_json_atomic(self.path, {"step": step, "time": time.time(), "pid": os.getpid(), "phase": phase,
+                                          **self.node}, durable=False)
         except OSError as e:
             log.warning("cannot write heartbeat %s: %s", self.path, e)
 
@@ -297,13 +312,14 @@ class MetricsSink:
 
 
 class NullSink:
-    """Ranks other than 0: the same calls, nothing happens."""
+    """Ranks other than 0: the same calls, nothing happens; except, given one, the heartbeat (the
+    first process of each other host beats for its own host's watchdog)."""
 
     run_id = None
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat: Heartbeat | None = None) -> None:
         self.prom = _NullProm()
-        self.heartbeat = _NullHeartbeat()
+        self.heartbeat = heartbeat or _NullHeartbeat()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         pass

@@ -1,4 +1,4 @@
-"""The trainer: `python -m x1_pretrain.train --config configs/x1-50m-a100.yaml ...` (SPEC §3, §5).
+"""The trainer: `python -m x1_pretrain.train --config configs/x1-50m-a100.yaml ...` (docs/DESIGN.md §3, §5).
 
 The loop is `train_loop` below, in the order you would check it at hour 14: learning rate →
 forward/backward over the micro-batches → clip → optimizer step → log → eval → checkpoint →
@@ -7,18 +7,33 @@ metrics, budget guard); on ranks other than 0 the logging components are no-op o
 
 Exit codes are the contract with the watchdog (x1_common.contracts.ExitCode): 0 finished, 75
 preempted (checkpoint written), 76 budget projection over the cap (checkpoint written), 77 spent
-over the cap (no write), 78 launch refused, 79 diverged, 2 bad config or data.
+over the cap (no write), 78 launch refused, 79 diverged, 80 the final-loss forecast outside its band
+with --stop-when-forecast-misses-band (checkpoint written), 2 bad config or data.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+
+
+def _preempted_while_starting(signum: int, frame: object) -> None:
+    os.write(2, b"SIGTERM during start-up, before anything was written: exit 75 (preempted)\n")
+    os._exit(75)  # ExitCode.PREEMPTED; immediate: the imports it interrupts need no unwinding
+
+
+# A SIGTERM from here until StopSignal takes over (the imports below: torch alone takes seconds)
+# is a stop before anything was written: "preempted" to the watchdog (75), not a crash (143).
+# Only as the program (python -m / torchrun -m): a process that imports this module keeps its own.
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _preempted_while_starting)
+
 import argparse
 import contextlib
+import json
 import logging
 import math
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -29,28 +44,43 @@ from typing import Any
 import numpy as np
 import torch
 
-from x1_common.contracts import END_REASONS, ExitCode
+from x1_common.contracts import (
+    COST_URI_PASSWORD_ENV,
+    COST_URI_USERNAME_ENV,
+    END_REASONS,
+    ExitCode,
+    move_uri_credentials_to_env,
+)
 from x1_common.fsutil import write_json_atomic
 from x1_common.logs import setup_logging
-from x1_pretrain import cublaslt, preflight
+from x1_pretrain import cublaslt, levers, preflight, provenance
 from x1_pretrain import distributed as D
 from x1_pretrain.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
 from x1_pretrain.budget_guard import Interval, Pace, Projection
-from x1_pretrain.checkpoint import Checkpointer, CheckpointError, TrainerState, capture_rng, restore_rng
+from x1_pretrain.checkpoint import (
+    OPTIM_FILE,
+    Checkpointer,
+    CheckpointError,
+    CheckpointRefused,
+    TrainerState,
+    capture_rng,
+    restore_rng,
+)
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
 from x1_pretrain.data import split_window
 from x1_pretrain.lease import take_trainer_lease
 from x1_pretrain.model import Bf16Weights, Transformer, attention_backend, param_groups
+from x1_pretrain.schedule import lr_at, lr_progress
 from x1_pretrain.spikes import SpikeDetector, SpikeInjector
 
 log = logging.getLogger("x1.train")
 
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
 
 # MLflow statuses per exit: a stop on purpose is KILLED, a failure FAILED.
-MLFLOW_STATUS = {0: "FINISHED", 75: "KILLED", 76: "KILLED", 77: "KILLED", 79: "FAILED"}
+MLFLOW_STATUS = {0: "FINISHED", 75: "KILLED", 76: "KILLED", 77: "KILLED", 79: "FAILED", 80: "KILLED"}
 # Exits after which nothing more will train (--run-dir writes the run folder after these).
-FINAL_CODES = frozenset({ExitCode.FINISHED, ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.DIVERGED})
+FINAL_CODES = frozenset({ExitCode.FINISHED, ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.DIVERGED,
+                         ExitCode.FORECAST_STOP})
 IMPORTED_AT = time.time()  # process_started_at's fallback where /proc is missing
 
 
@@ -60,15 +90,6 @@ class DataOrConfigError(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # Small pieces the loop uses
-
-
-def lr_at(step: int, cfg, total_steps: int) -> float:
-    """Linear warmup from 0 over warmup_steps, then cosine from lr to min_lr at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(total_steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 class StopSignal:
@@ -111,7 +132,7 @@ class Throughput:
     """Tokens/s between log steps, eval and checkpoint time left out, and whether the interval was
     steady. The first interval of a process (compile, warm-up, the first optimizer step, a restore)
     and one that held an eval or a checkpoint say nothing about the steady rate: the throughput
-    floor does not judge them, and the budget's pace does not average them in (SPEC §5)."""
+    floor does not judge them, and the budget's pace does not average them in (docs/DESIGN.md §5)."""
 
     def __init__(self, first: str = "start", clock=time.perf_counter) -> None:
         self.clock = clock
@@ -206,6 +227,7 @@ class Run:
     floor_warned_at: float = 0.0
     previous_heartbeat: Any = None  # what the process before this one left (a restart's downtime)
     first_step_logged: bool = False
+    forecast: Any = None  # forecast.ForecastWatch: the final val loss the curve so far points to
 
     @property
     def micro_batch(self) -> int:
@@ -221,7 +243,7 @@ def train_loop(run: Run) -> int:
     step = run.state.step
     while step < total:
         # 1. learning rate
-        lr = lr_at(step, cfg.optim, total)
+        lr = lr_at(step, cfg.optim, total, run.state.replans[-1] if run.state.replans else None)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         if (note := run.injector.announcement(step, run.detector)) is not None:
@@ -259,6 +281,7 @@ def train_loop(run: Run) -> int:
         if run.state.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
             return diverged(run, step)
         flagged = finite and run.detector.update(step, loss_v)
+        run.forecast.observe(step, loss_v, flagged or injected)  # flagged steps stay out of its fit
         if flagged or injected:  # the post-mortem's evidence, at the step itself
             log_spike_step(run, step, loss_v, grad_norm_v, flagged)
         if not run.first_step_logged:
@@ -268,15 +291,19 @@ def train_loop(run: Run) -> int:
         if step % cfg.train.log_every == 0 or step == total:
             log_step(run, step, loss_v, grad_norm_v, lr)
 
-        # 6. eval on the fixed val windows
+        # 6. eval on the fixed val windows, and the final val loss the curve so far points to
+        forecast_code = 0
         if step % cfg.train.eval_every == 0 or step == total:
             with run.throughput.pause("eval"):
-                evaluate(run, step)
+                forecast_code = D.agree(run.dist, judge_forecast(run, step, evaluate(run, step)))
 
         # 7. checkpoint
         if step % cfg.checkpoint.every == 0 or step == total:
             with run.throughput.pause("checkpoint"):
                 save_checkpoint(run, step)
+
+        if forecast_code and step < total:  # asked for with --stop-when-forecast-misses-band
+            return stop_run(run, step, ExitCode.FORECAST_STOP, run.forecast.last_alert)
 
         # 8. budget: spent, and what the steps left need at the run's measured pace (rank 0 reads
         # and logs its decision; it reaches every rank through `agree`)
@@ -287,6 +314,9 @@ def train_loop(run: Run) -> int:
         # 9. stop?
         code = D.agree(run.dist, run.stop.code, budget.exit_code or 0)
         if code:
+            if code == budget.exit_code == ExitCode.BUDGET_PROJECTED and run.dist.is_main:
+                write_budget_stop(Path(cfg.checkpoint.dir), step, total, budget.fits_steps, budget.reason,
+                                  run.state.config_hash)
             return stop_run(run, step, ExitCode(code), budget.reason if budget.exit_code == code else "preempted")
     return finish(run, step)
 
@@ -390,7 +420,7 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
         "clipped": float(grad_norm > run.cfg.optim.grad_clip),
     }
     p = run.sink.prom
-    # Each MFU names its peak: the datasheet's (SPEC §4) and, where given, the measured matmul peak.
+    # Each MFU names its peak: the datasheet's (docs/DESIGN.md §4) and, where given, the measured matmul peak.
     mfu_text = f"mfu {mfu:.3f} of datasheet {run.peak_tflops:g} TFLOP/s" if run.peak_tflops else "mfu n/a (no datasheet peak)"
     p.mfu.labels(peak="datasheet", peak_tflops=f"{run.peak_tflops:g}").set(mfu)
     if run.measured_peak_tflops:
@@ -404,6 +434,7 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
     run.sink.log(step, metrics)
     log_budget(run, step, run.guard.projection(step))
     p.step.set(step)
+    p.progress.set(step / run.cfg.train.total_steps)
     p.tokens.inc(tokens)
     p.tps.set(tps)
     p.loss.set(metrics["loss"])
@@ -433,6 +464,8 @@ def log_budget(run: Run, step: int, projection: Projection | None) -> None:
     p.projected_sidecar.set(projection.sidecar_usd)
     p.projected_own.set(math.nan if own is None else own)  # NaN: no pace yet, a gap in Grafana
     p.hours_needed.set(math.nan if hours is None else hours)
+    need = projection.need
+    p.eta.set(math.nan if need is None else need.seconds)  # wall seconds: the pace is measured in wall time
 
 
 def log_spike_step(run: Run, step: int, loss: float, grad_norm: float, flagged: bool) -> None:
@@ -469,7 +502,9 @@ def log_first_step(run: Run, step: int) -> None:
     now = time.time()
     metrics = {"startup_seconds": now - process_started_at(), "first_step_unix": now}
     previous = run.previous_heartbeat
-    resumed = run.state.restarts > 0 and previous is not None and previous.pid != os.getpid()
+    # A container restarted by its host often has the same pid: a beat older than this process is not its own.
+    resumed = run.state.restarts > 0 and previous is not None and (previous.pid != os.getpid()
+                                                                   or previous.time < process_started_at())
     if resumed:
         metrics["downtime_seconds"] = now - previous.time
     run.sink.log(step, metrics)
@@ -482,13 +517,18 @@ def log_first_step(run: Run, step: int) -> None:
 
 def total_norm(params) -> float:
     # foreach on a GPU: a few kernels for all parameters, not one each (the GPU idles while the
-    # log step waits for this number)
-    norm = torch.nn.utils.get_total_norm([p.detach() for p in params])
+    # log step waits for this number). get_total_norm is torch >= 2.6 (the lever table's
+    # get-total-norm row); before it, the norm of the per-tensor norms is the same number.
+    tensors = [p.detach() for p in params]
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        norm = torch.nn.utils.get_total_norm(tensors)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
     return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
 
 
 def warn_if_slow(run: Run, step: int, interval: Interval) -> None:
-    """The seed's hour-1 floor, judged on steady intervals only: the first interval of a process and
+    """The hour-1 throughput floor, judged on steady intervals only: the first interval of a process and
     one holding an eval or a checkpoint are slow for reasons that are not a problem. A real
     slowdown (a starved data loader, an eager fallback) shows in the first steady interval."""
     first_hour = run.state.train_seconds < 3600
@@ -545,6 +585,30 @@ def evaluate(run: Run, step: int) -> float:
     return val_loss
 
 
+def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool):
+    """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept."""
+    from x1_common.alerts import AlertSender
+    from x1_pretrain.forecast import ForecastError, ForecastWatch
+
+    alerts = None
+    if is_main:
+        try:
+            alerts = AlertSender.from_env()
+        except ValueError as e:
+            raise ConfigError(f"alerts: {e}") from None
+    try:
+        return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
+                                     band=args.forecast_band, stop_outside=args.stop_when_forecast_misses_band,
+                                     alerts=alerts)
+    except ForecastError as e:
+        raise DataOrConfigError(f"forecast: {e}") from None
+
+
+def judge_forecast(run: Run, step: int, val_loss: float) -> int:
+    """The forecast at this eval: logged, published, alerted on; 80 to stop, else 0."""
+    return run.forecast.judge(step, val_loss, run.sink, run.guard.projection(step))
+
+
 def full_states(run: Run) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Consolidated model and optimizer state on CPU (a collective under FSDP2: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -565,6 +629,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     model_state, optim_state = full_states(run)
     if run.dist.is_main:
         run.state.spike = run.detector.state()
+        run.state.forecast = run.forecast.state()
         # Windows are a pure function of (seed, step, sample index): the step is the position.
         run.state.sampler = {"seed": run.cfg.train.seed, "next_step": step}
         run.state.rng = capture_rng()
@@ -581,8 +646,8 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 
 def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
-    """75 and 76 checkpoint first; 77 exits at once without writing (already over the cap)."""
-    if code in (ExitCode.PREEMPTED, ExitCode.BUDGET_PROJECTED):
+    """75, 76 and 80 checkpoint first; 77 exits at once without writing (already over the cap)."""
+    if code in (ExitCode.PREEMPTED, ExitCode.BUDGET_PROJECTED, ExitCode.FORECAST_STOP):
         t = time.perf_counter()
         try:
             save_checkpoint(run, step)
@@ -631,12 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m x1_pretrain.train",
         description="Train the X1 decoder. Exit codes: 0 finished, 75 preempted, 76/77 budget, 78 launch refused, "
-        "79 diverged, 2 bad config/data. Run under torchrun for several GPUs.",
+        "79 diverged, 80 forecast stop (asked for), 2 bad config/data. Run under torchrun for several GPUs.",
     )
     p.add_argument("--config", required=True, help="run config YAML (configs/x1-50m-a100.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field, e.g. --set optim.lr=1e-3 (repeatable)")
-    seed = p.add_argument_group("the seed's flags")
+    seed = p.add_argument_group("the run's flags")
     seed.add_argument("--data-dir", help="folder with train.bin, val.bin, meta.json")
     seed.add_argument("--ckpt-dir", help="checkpoints folder (step_XXXXXXXX/, latest, final.safetensors)")
     seed.add_argument("--mlflow-uri", help="file://, sqlite:// or http:// tracking URI")
@@ -669,8 +734,17 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--heartbeat-file", help="heartbeat JSON the watchdog reads (/workspace/logs/heartbeat.json)")
     ops.add_argument("--allow-config-change", action="store_true",
                      help="resume even though the config hash (model, optimizer, schedule) changed")
+    ops.add_argument("--allow-data-change", action="store_true",
+                     help="resume on another corpus than the checkpoint trained on (recorded in it and on MLflow)")
+    ops.add_argument("--allow-tracking-change", action="store_true",
+                     help="resume against another MLflow server: a new MLflow run there, tagged with the old one")
     ops.add_argument("--measured-peak-tflops", type=float, help="this GPU's measured bf16 matmul peak, for a second MFU")
     ops.add_argument("--run-name", help="MLflow run name (default: config name and start time)")
+    ops.add_argument("--forecast-band", type=float, nargs=2, metavar=("LO", "HI"),
+                     help="final val loss band the forecast is judged against: an alert when its interval lies "
+                          "wholly outside, once per crossing (default 3.20 3.50, the definition of done's)")
+    ops.add_argument("--stop-when-forecast-misses-band", action="store_true",
+                     help="stop (checkpoint, exit 80) when the forecast's interval lies wholly outside --forecast-band")
     ops.add_argument("--run-dir", metavar="DIR",
                      help="after a final exit (finished, budget stop, divergence) write the run folder here "
                           "(python -m x1_pretrain.finish: export_run, the spike post-mortem draft, dod)")
@@ -680,6 +754,22 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = {SEED_FLAGS[k]: v for k, v in vars(args).items() if k in SEED_FLAGS and v is not None}
     return load_config(args.config, args.set, overrides)
+
+
+def credentials_out_of_config(cfg: RunConfig) -> RunConfig:
+    """The config with no user:password left in its URIs: they go to the environment, where the
+    clients read them, so no param, state file, log line or error of the run can carry them."""
+    try:
+        mlflow_uri = move_uri_credentials_to_env(cfg.tracking.mlflow_uri, "MLFLOW_TRACKING_USERNAME",
+                                                 "MLFLOW_TRACKING_PASSWORD", "tracking.mlflow_uri (--mlflow-uri)")
+        cost_uri = move_uri_credentials_to_env(cfg.budget.curr_cost_uri, COST_URI_USERNAME_ENV, COST_URI_PASSWORD_ENV,
+                                               "budget.curr_cost_uri (--budget-curr-cost-uri)")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg.model_copy(update={
+        "tracking": cfg.tracking.model_copy(update={"mlflow_uri": mlflow_uri}),
+        "budget": cfg.budget.model_copy(update={"curr_cost_uri": cost_uri}),
+    })
 
 
 def git_sha() -> str:
@@ -730,9 +820,11 @@ def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
     """The checkpoint to continue from (None: fresh start), agreed on by every rank.
 
     --resume-from-latest takes the newest folder that verifies and loads, skipping newer broken
-    ones with a warning (SPEC §5). When step folders exist and none of them does, the run is
+    ones with a warning (docs/DESIGN.md §5). When step folders exist and none of them does, the run is
     refused (exit 2) naming each folder and what is wrong with it: starting over would overwrite
-    them, and that is a person's decision, never a relaunch's. Nothing is moved or deleted."""
+    them, and that is a person's decision, never a relaunch's. Nothing is moved or deleted. A folder
+    whose optimizer state is refused (objects whose loading would run code) stops the resume there,
+    exit 2: it was written by someone, not damaged, and an older folder is no answer to that."""
     path, problem, loaded = None, None, None
     if d.is_main:
         existing = checkpointer.step_dirs()
@@ -743,6 +835,9 @@ def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
                 if why is None:
                     try:
                         loaded = checkpointer.load(candidate, map_location="cpu")
+                    except CheckpointRefused as e:  # written by someone, not damaged: never skipped
+                        problem = str(e)
+                        break
                     except CheckpointError as e:
                         why = str(e).removeprefix(f"{candidate}: ")
                 if why is None:
@@ -752,7 +847,7 @@ def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
             if path is not None:
                 for bad, why in failed:
                     log.warning("skipping checkpoint %s: %s", bad, why)
-            elif existing:
+            elif existing and problem is None:
                 problem = (f"{checkpointer.root}: none of its {len(existing)} checkpoint folder(s) verifies: "
                            + "; ".join(f"{bad.name}: {why}" for bad, why in failed)
                            + ". Nothing was moved, overwritten or deleted. To start this run over, give a new "
@@ -772,17 +867,119 @@ def resume_point(args, cfg: RunConfig, checkpointer: Checkpointer, d: D.Dist):
         except CheckpointError as e:
             raise DataOrConfigError(str(e)) from None
     if loaded.state.config_hash != cfg.config_hash():
-        msg = (f"{path}: config hash {loaded.state.config_hash[:12]} differs from this config's "
-               f"{cfg.config_hash()[:12]} (model, optimizer or schedule changed)")
-        if not args.allow_config_change:
-            raise DataOrConfigError(msg + "; pass --allow-config-change to continue anyway")
-        log.warning("%s; continuing (--allow-config-change)", msg)
+        old_total = total_steps_change(cfg, loaded.state)
+        if old_total is not None:
+            replan(args, cfg, loaded, old_total)
+        else:
+            msg = (f"{path}: config hash {loaded.state.config_hash[:12]} differs from this config's "
+                   f"{cfg.config_hash()[:12]} (model, optimizer or schedule changed)")
+            if not args.allow_config_change:
+                raise DataOrConfigError(msg + "; pass --allow-config-change to continue anyway")
+            log.warning("%s; continuing (--allow-config-change)", msg)
     if loaded.state.step > cfg.train.total_steps:
         raise DataOrConfigError(
             f"train.total_steps: {cfg.train.total_steps} is below step {loaded.state.step} of the checkpoint "
             f"{loaded.path.name}: a run cannot go back, and its final.safetensors would be rewritten from a later "
             f"step than it says; give --total-steps {loaded.state.step} or more (nothing was written)")
     return loaded
+
+
+def check_provenance(args, cfg: RunConfig, loaded, corpus: dict[str, Any]) -> None:
+    """The checkpoint is this run's, made on this corpus and tracked on this server; changes that a
+    flag accepts are recorded in the state (and, through it, on the MLflow run). Exit 2 otherwise."""
+    state = loaded.state
+    try:
+        provenance.check_run(Path(cfg.checkpoint.dir), loaded.path, state.run_id, state.run_started)
+        changes = [provenance.check_corpus(loaded.path, state.corpus, corpus, state.step, args.allow_data_change),
+                   provenance.check_tracking(loaded.path, (state.config.get("tracking") or {}).get("mlflow_uri"),
+                                             state.mlflow_run_id, cfg.tracking.mlflow_uri, state.step,
+                                             args.allow_tracking_change)]
+    except provenance.ProvenanceError as e:
+        raise DataOrConfigError(str(e)) from None
+    for change in filter(None, changes):
+        log.warning("resuming with another %s than %s's (--allow-%s-change): %s -> %s", change["what"],
+                    loaded.path.name, change["what"], change["from"], change["to"])
+        state.changes.append(change)
+        if change["what"] == "tracking":
+            state.mlflow_run_id = None  # a new MLflow run on the new server
+
+
+BUDGET_STOP_FILE = "budget-stop.json"  # in the checkpoint folder: the last budget stop and the steps that fit
+
+
+def write_budget_stop(ckpt_root: Path, step: int, total_steps: int, fits: int | None, reason: str,
+                      config_hash: str) -> None:
+    """What a re-plan is judged against: the step the run stopped at for its budget, its total
+    steps then, and the total steps that fit the cap at that reading."""
+    from datetime import datetime, timezone
+
+    try:
+        write_json_atomic(ckpt_root / BUDGET_STOP_FILE, {
+            "step": step, "total_steps": total_steps, "fits_steps": fits, "reason": reason[:1000],
+            "config_hash": config_hash, "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    except OSError as e:  # the stop stands; a re-plan then needs --allow-config-change
+        log.error("%s not written (%s): continuing with fewer steps will need --allow-config-change",
+                  ckpt_root / BUDGET_STOP_FILE, e)
+
+
+def read_budget_stop(ckpt_root: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        stop = json.loads((ckpt_root / BUDGET_STOP_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    ok = isinstance(stop, dict) and all(isinstance(stop.get(k), int) and not isinstance(stop.get(k), bool)
+                                        for k in ("step", "total_steps"))
+    return stop if ok else None
+
+
+def total_steps_change(cfg: RunConfig, state: TrainerState) -> int | None:
+    """The checkpoint's total steps when they are the only change of the run's math (model, data
+    order, optimizer, the rest of the schedule all the same); None otherwise."""
+    old = (state.config.get("train") or {}).get("total_steps") if isinstance(state.config, dict) else None
+    if not isinstance(old, int) or isinstance(old, bool) or old == cfg.train.total_steps:
+        return None
+    as_before = cfg.model_copy(update={"train": cfg.train.model_copy(update={"total_steps": old})})
+    return old if as_before.config_hash() == state.config_hash else None
+
+
+def replan(args, cfg: RunConfig, loaded, old_total: int) -> None:
+    """A resume whose only change is train.total_steps: a re-plan. Accepted without
+    --allow-config-change after a budget stop (or a refused launch) when the new total is no more
+    than what fitted the cap then; recorded in the trainer state (then MLflow and the manifest),
+    the cosine re-targeted from this step (lr_progress)."""
+    from datetime import datetime, timezone
+
+    state, new_total = loaded.state, cfg.train.total_steps
+    stop = read_budget_stop(Path(cfg.checkpoint.dir))
+    after_stop = stop is not None and stop["step"] >= state.step and stop["total_steps"] == old_total
+    fits = stop.get("fits_steps") if after_stop else None
+    if after_stop and isinstance(fits, int) and new_total <= fits:
+        why = f"budget stop at step {stop['step']} ({stop.get('time_utc')}): --total-steps {fits} fitted the cap"
+    elif args.allow_config_change:
+        why = "--allow-config-change"
+    elif after_stop:
+        raise DataOrConfigError(
+            f"--total-steps {new_total}: more than the {fits if fits is not None else '(unknown)'} steps that fitted "
+            f"the cap at the budget stop of step {stop['step']} ({BUDGET_STOP_FILE} in {cfg.checkpoint.dir}); give "
+            f"--total-steps {fits if fits is not None else 'N'} or fewer, or pass --allow-config-change to go over it")
+    else:
+        raise DataOrConfigError(
+            f"{loaded.path}: train.total_steps changed from {old_total} to {new_total} and this run did not stop for "
+            f"its budget; pass --allow-config-change to re-plan it anyway (the cosine is re-targeted from step "
+            f"{state.step}, the learning rate unchanged there)")
+    previous = state.replans[-1] if state.replans else None
+    progress = lr_progress(state.step, cfg.optim, old_total, previous)
+    lr = lr_at(state.step, cfg.optim, old_total, previous)
+    state.replans.append({"step": state.step, "old_total_steps": old_total, "new_total_steps": new_total,
+                          "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "why": why,
+                          "lr_at_step": lr, "lr_progress": progress})
+    loaded.replanned = True
+    state.config_hash = cfg.config_hash()  # the change is recorded: later resumes of this plan need nothing
+    log.warning("re-plan at step %d: train.total_steps %d -> %d (%s); the cosine is re-targeted from this step: lr "
+                "%.3e here as before, min_lr %.1e at step %d", state.step, old_total, new_total, why, lr,
+                cfg.optim.min_lr, new_total)
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -820,7 +1017,13 @@ def check_paths(cfg: RunConfig) -> None:
 
 
 def check_device(cfg: RunConfig) -> None:
-    """train.device=cuda needs a GPU this process can use (under torchrun, one per local rank)."""
+    """train.device=cuda needs a GPU this process can use (under torchrun, one per local rank); on
+    a GPU host (auto too), CUDA must initialise: a driver too old for this torch's CUDA is named
+    here, exit 2, rather than a crash later or a 50M run quietly on the CPU."""
+    if cfg.train.device == "cpu":
+        return
+    if (problem := preflight.cuda_init_problem()) is not None:
+        raise DataOrConfigError(f"train.device: {cfg.train.device}: {problem}")
     if cfg.train.device != "cuda":
         return
     if not torch.cuda.is_available():
@@ -846,8 +1049,6 @@ def check_space(checkpointer: Checkpointer, loaded, model: torch.nn.Module) -> N
 def earlier_start(cfg: RunConfig) -> dict[str, Any]:
     """What a start of this same run (same config hash) that died before its first checkpoint left
     in mlflow-run.json: its MLflow run id, tracking URI and start time. {} when there is none."""
-    import json
-
     try:
         saved = json.loads((Path(cfg.checkpoint.dir) / "mlflow-run.json").read_text())
     except (OSError, ValueError, RecursionError):
@@ -860,11 +1061,15 @@ def earlier_start(cfg: RunConfig) -> dict[str, Any]:
     return saved if ok else {}
 
 
-def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str):
+def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str,
+                   extra_tags: dict[str, str] | None = None):
     from x1_pretrain.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
 
+    # Several hosts: every host's first process beats, for that host's watchdog, saying which it is.
+    node = {"rank": d.rank, "node_rank": d.node.rank, "nnodes": d.node.count, "hostname": d.node.hostname}
+    node = node if d.node.count > 1 else None
     if not d.is_main:
-        return NullSink()
+        return NullSink(Heartbeat(cfg.tracking.heartbeat_file, node) if node and d.local_rank == 0 else None)
     ckpt_root = Path(cfg.checkpoint.dir)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     run_file = ckpt_root / "mlflow-run.json"
@@ -874,20 +1079,33 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
                                      "started": state.run_started})
 
     run_id = state.mlflow_run_id
-    if run_id is None and state.step == 0:  # an earlier start died before its first checkpoint
+    if run_id is None:  # an earlier start of this run died, or checkpointed, before MLflow's first answer
         earlier = earlier_start(cfg)
-        run_id = earlier.get("run_id") if earlier.get("uri") == cfg.tracking.mlflow_uri else None
+        same_run = state.step == 0 or earlier.get("started") == state.run_started
+        run_id = earlier.get("run_id") if same_run and earlier.get("uri") == cfg.tracking.mlflow_uri else None
     tags = {"x1.config_hash": state.config_hash, "x1.git_sha": git_sha(), "x1.world_size": str(d.world_size),
+            "x1.nnodes": str(d.node.count),
             "x1.ckpt_dir": str(Path(cfg.checkpoint.dir).resolve()), "x1.data_dir": str(Path(cfg.data.dir).resolve()),
             "x1.seed": str(cfg.train.seed), "x1.config_name": cfg.name}
     tags.update({f"x1.version.{k}": v for k, v in versions().items()})
+    tags.update(extra_tags or {})
+    tags["x1.run_id"] = state.run_id
+    if state.changes:  # what --allow-data-change / --allow-tracking-change let through, oldest first
+        tags["x1.provenance_changes"] = json.dumps(state.changes, sort_keys=True)
+        moved = [c for c in state.changes if c["what"] == "tracking"]
+        if moved:
+            tags["x1.previous_mlflow_run"] = f"{moved[-1]['from']} {moved[-1]['previous_run_id']}"
     mlflow = MlflowLogger(
         cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id, run_name=run_name,
         params=flatten(cfg.resolved()), tags=tags, spool_path=ckpt_root / "mlflow-spool.jsonl", on_run_id=remember,
     )
+    if state.changes:  # a resumed run is not re-tagged at start: said to it explicitly
+        mlflow.set_tags({k: tags[k] for k in ("x1.provenance_changes", "x1.previous_mlflow_run", "x1.data_dir")
+                         if k in tags})
     mlflow.start()
     prom = PrometheusMetrics(cfg.tracking.metrics_port, cfg.tracking.metrics_host)
-    return MetricsSink(mlflow, prom, Heartbeat(cfg.tracking.heartbeat_file))
+    prom.node.labels(**d.node.labels()).set(1)
+    return MetricsSink(mlflow, prom, Heartbeat(cfg.tracking.heartbeat_file, node))
 
 
 def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str | None:
@@ -898,8 +1116,6 @@ def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str |
     marker = ckpt_root / "compile-deaths.json"
     deaths = 0
     if marker.is_file():
-        import json
-
         try:
             saved = json.loads(marker.read_text()).get("deaths", 0)
             deaths = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else 0
@@ -950,6 +1166,7 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
         failed = D.agree(d, failed)
         if failed == 1:
             mode = None
+            model = raw  # on a CPU the loop ends here, with no eager pass to set it
             run.backward_context = contextlib.nullcontext
             torch._dynamo.reset()
             continue
@@ -960,7 +1177,7 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
             torch.cuda.empty_cache()
             continue
         break
-    run.cudagraphs = mode in CUDA_GRAPH_MODES
+    run.cudagraphs = mode in levers.CUDA_GRAPH_MODES
     if run.cudagraphs:  # see the loop's zero_grad
         for p in raw.parameters():
             p.grad = torch.zeros_like(p)
@@ -978,7 +1195,7 @@ def compiled_autograd(run: Run, mode: str | None):
     parameter. Compiled autograd traces the whole backward, accumulation included, so the
     compiler can fuse the bf16 -> fp32 cast and the add into the kernels around them.
     """
-    if not run.cfg.train.compiled_autograd or mode is None:
+    if not run.cfg.train.compiled_autograd or mode is None:  # off, or switched off by its lever probe
         return contextlib.nullcontext
     if run.dist.enabled or mode != "default":
         log.info("train.compiled_autograd is off: it runs in one process with compile mode default "
@@ -1012,10 +1229,17 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     if not d.is_main:  # one voice: rank 0 logs, the others speak only of problems
         logging.getLogger().setLevel(logging.WARNING)
     grad_accum = cfg.grad_accum(d.world_size)  # ConfigError when the world size does not divide
+    # Each lever probed once: what this torch and this GPU (or the architecture train.gpu_arch names)
+    # cannot run is switched off in the config, with a line saying so (x1_pretrain.levers).
+    features = levers.probe(d.device, cfg.train.gpu_arch)
+    cfg, lever_table = levers.resolve(cfg, features, d.world_size)
+    if d.is_main:
+        lever_table.log()
     if cfg.train.float8 != "off":  # before anything is read or written
         from x1_pretrain.float8 import unsupported
 
-        if (problem := unsupported(d.device)) is not None:
+        problem = unsupported(d.device) or levers.float8_problem(features)
+        if problem is not None:
             raise DataOrConfigError(f"train.float8={cfg.train.float8}: {problem}; or --set train.float8=off")
     # One trainer per checkpoint folder (x1_pretrain.lease), taken before anything is written there.
     code = D.agree(d, take_trainer_lease(cfg.checkpoint.dir) if d.is_main else 0)
@@ -1039,7 +1263,9 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
 
     checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.model)
     loaded = resume_point(args, cfg, checkpointer, d)
+    corpus = provenance.corpus_identity(cfg.data.dir, tokens.meta)
     if loaded is not None:
+        check_provenance(args, cfg, loaded, corpus)
         state = loaded.state
         state.restarts += 1
         state.config = cfg.resolved()
@@ -1054,6 +1280,13 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
                              sampler={}, world_size=d.world_size,
                              run_started=earlier_start(cfg).get("started") or time.time())
     state.world_size = d.world_size
+    # The run's id: the checkpoint's, else that of an earlier start of this run (same start time).
+    state.run_id = state.run_id or provenance.recorded_run_id(Path(cfg.checkpoint.dir), state.run_started) \
+        or provenance.new_run_id()
+    state.corpus = corpus
+    if d.is_main:  # every start: the checkpoint dir names the run it holds (a fresh start, a new one)
+        provenance.remember_run(Path(cfg.checkpoint.dir), state.run_id, state.run_started)
+    replanned = loaded is not None and loaded.replanned
     if state.step >= cfg.train.total_steps and loaded is None:
         raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
 
@@ -1063,10 +1296,16 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     expected = expected_throughput(cfg, d.device, d.world_size)
     pace = Pace(total_steps=cfg.train.total_steps, tokens_per_step=cfg.train.tokens_per_step,
                 eval_every=cfg.train.eval_every, ckpt_every=cfg.checkpoint.every,
-                eval_tokens=cfg.train.eval_windows * cfg.model.seq_len, start_step=state.step, restarts=state.restarts,
+                eval_tokens=cfg.train.eval_windows * cfg.model.seq_len, start_step=state.step,
+                # a re-plan's stop was planned: only interruptions are extrapolated over the steps left
+                restarts=max(state.restarts - len(state.replans), 0),
                 expected_tokens_per_sec=expected[0] if expected else None,
                 expected_source=expected[1] if expected else "", started=started)
     pre = guard.prelaunch(pace)
+    if pre.exit_code == ExitCode.LAUNCH_REFUSED and pre.fits_steps is not None and state.step > 0 and d.is_main:
+        # A resume refused for its projection: the same re-plan as after a budget stop continues it.
+        write_budget_stop(Path(cfg.checkpoint.dir), state.step, cfg.train.total_steps, pre.fits_steps, pre.reason,
+                          state.config_hash)
     code = D.agree(d, pre.exit_code or 0)
     if code:
         log.error("launch refused: %s", pre.reason if pre.exit_code else "rank 0 refused the launch")
@@ -1079,15 +1318,19 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     if loaded is not None:
         try:
             raw.load_state_dict(loaded.model_state, strict=True)
-        except RuntimeError as e:  # a verified folder whose tensors are not this model's
-            raise DataOrConfigError(f"{loaded.path}: the weights do not fit this config's model: "
-                                    f"{str(e).splitlines()[0][:300]}") from None
+        except RuntimeError:  # a verified folder whose tensors are not this model's
+            from x1_pretrain.checkpoint import MODEL_FILE
+            from x1_pretrain.weights import state_mismatch
+
+            raise DataOrConfigError(f"{loaded.path / MODEL_FILE}: the weights do not fit this config's model: "
+                                    f"{state_mismatch(raw, loaded.model_state)}") from None
     if d.is_main:
         check_space(checkpointer, loaded, raw)
     raw.to(d.device)
     backend = attention_backend(cfg.model, d.device)
     raw.set_attention_backend(backend)
     raw.use_kernels(use_kernels(cfg.train.kernels, d.device))
+    raw.use_cublaslt(cfg.train.cublaslt != "off" and d.device.type == "cuda")
     if cfg.train.residual == "bf16":
         raw.residual_dtype = torch.bfloat16
     if cfg.train.float8 != "off":
@@ -1103,13 +1346,18 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         try:
             load_optimizer(raw, optimizer, loaded.optim_state)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise DataOrConfigError(f"{loaded.path}: its optimizer state does not fit this model's optimizer "
-                                    f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})") from None
+            why = str(e).splitlines()[0][:1000] if str(e) else ""
+            raise DataOrConfigError(f"{loaded.path / OPTIM_FILE}: the optimizer state does not fit this model's "
+                                    f"optimizer ({type(e).__name__}: {why})") from None
 
-    sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    previous_heartbeat = sink.heartbeat.previous()  # before this process's first beat replaces it
+    sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                          extra_tags=lever_table.tags())
+    previous_heartbeat = sink.heartbeat.previous() if d.is_main else None  # before this process's first beat
     sink.heartbeat.beat(state.step, "startup")
     sink.prom.tokens.inc(state.tokens_seen)
+    sink.prom.total_steps.set(cfg.train.total_steps)
+    sink.prom.progress.set(state.step / cfg.train.total_steps)
+    sink.prom.restarts.set(state.restarts)
     info = preflight.collect(d.device, backend, cfg.checkpoint.dir)
     warnings = preflight.warnings_for(info)
     if d.is_main:
@@ -1117,6 +1365,12 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         sink.tags({f"x1.preflight.{k}": str(v) for k, v in info.items()})
         if loaded is not None:
             sink.log(state.step, {"restart": 1.0})
+        if replanned:  # MLflow keeps params as first logged: the change is a tag and a metric of its own
+            r = state.replans[-1]
+            sink.tags({f"x1.replan.{len(state.replans)}": json.dumps(r, sort_keys=True),
+                       "x1.total_steps": str(cfg.train.total_steps)})
+            sink.log(state.step, {"replan_total_steps": float(r["new_total_steps"]),
+                                  "replan_old_total_steps": float(r["old_total_steps"])})
 
     rare = None
     if args.inject_spike_at_step is not None and state.step < args.inject_spike_at_step + 5:
@@ -1146,6 +1400,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
     run.previous_heartbeat = previous_heartbeat
+    run.forecast = forecast_watch(args, cfg, state, d.is_main)
     run.bf16_weights = bf16_weights(cfg, d, raw)
     if loaded is not None:
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
@@ -1160,10 +1415,12 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
     """The step's bf16 weights, cast once per optimizer step (train.weight_casts=per-step), where
     they replace autocast's casts exactly: bf16-mixed, one process (FSDP2 holds shards, DDP's
     hooks were not measured with it), no float8 (torchao casts its own weights), and no CUDA
-    graphs (a replay copies every input that is not a parameter or buffer into its own memory)."""
+    graphs (a replay copies every input that is not a parameter or buffer into its own memory).
+    A trainer's config has been through levers.resolve, which switches weight_casts off in those
+    cases with a line saying why; this holds the rule for any other caller too."""
     if cfg.train.weight_casts != "per-step" or cfg.train.precision != "bf16-mixed":
         return None
-    if d.enabled or cfg.train.float8 != "off" or cfg.train.compile_mode in CUDA_GRAPH_MODES:
+    if d.enabled or cfg.train.float8 != "off" or cfg.train.compile_mode in levers.CUDA_GRAPH_MODES:
         log.info("train.weight_casts=per-step applies to one process without float8 or CUDA graphs: "
                  "casting at each micro-step")
         return None
@@ -1191,9 +1448,31 @@ def use_kernels(choice: str, device: torch.device) -> bool:
     return True
 
 
+def optimizer_mismatch(model: torch.nn.Module, state: dict[str, Any]) -> str | None:
+    """What in a saved optimizer state does not match `model`'s parameters (a state from a model of
+    another width), each tensor named with both shapes; None when every moment fits its parameter."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    per_param = state.get("state")
+    if not isinstance(per_param, dict):
+        return "no per-parameter 'state' map"
+    bad = []
+    for name, entry in per_param.items():
+        if name not in shapes:
+            bad.append(f"{name}: in the file, not a parameter of this model")
+            continue
+        for key, t in (entry.items() if isinstance(entry, dict) else ()):
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) != shapes[name]:
+                bad.append(f"{key} of {name}: shape {tuple(t.shape)} in the file, {shapes[name]} in this model")
+    if not bad:
+        return None
+    return "; ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
+
+
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if problem := optimizer_mismatch(model, state):  # else AdamW fails at its first step, deep in a kernel
+        raise ValueError(problem)
     # The saved groups say how that process ran (fused, foreach); this process decides for itself.
     for group in state.get("param_groups", []):
         for key in ("fused", "foreach", "capturable", "differentiable"):
@@ -1205,8 +1484,11 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
+    if (too_old := levers.floor_problem()) is not None:  # before any work: nothing read, nothing written
+        print(f"error: {too_old}", file=sys.stderr)
+        return ExitCode.USAGE
     try:
-        cfg = config_from_args(args)
+        cfg = credentials_out_of_config(config_from_args(args))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE
@@ -1214,6 +1496,11 @@ def main(argv: list[str] | None = None) -> int:
         from x1_pretrain.budget_guard import dry_run
 
         return dry_run(cfg.budget)
+    if args.forecast_band is not None and not (math.isfinite(args.forecast_band[0]) and math.isfinite(args.forecast_band[1])
+                                               and 0 <= args.forecast_band[0] < args.forecast_band[1]):
+        print(f"error: --forecast-band {args.forecast_band[0]} {args.forecast_band[1]}: LO and HI must be finite, "
+              "0 <= LO < HI", file=sys.stderr)
+        return ExitCode.USAGE
     if args.inject_spike_at_step is not None and not 0 <= args.inject_spike_at_step < cfg.train.total_steps:
         print(f"error: --inject-spike-at-step {args.inject_spike_at_step} is outside 0..{cfg.train.total_steps - 1}",
               file=sys.stderr)
@@ -1248,8 +1535,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except CheckpointError as e:
         # A full disk above all. Exit 1 is a crash to the watchdog: it relaunches with backoff
-        # (space may come back), the relaunch stops in check_space within seconds if it has not,
-        # and --max-restarts inside the window ends the loop with an alert.
+        # (space may come back); a relaunch that stops in check_space again, before its first
+        # step, with the same error, is a start-up failure: final, alerted (exit 81).
         log.error("%s", e)
         log.error("exit 1: checkpoint not written (the watchdog relaunches; it gives up after --max-restarts)")
         return 1

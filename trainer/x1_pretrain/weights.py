@@ -1,6 +1,6 @@
 """Weights files: safetensors, fp32, plain parameter names, the model config in the metadata.
 
-One `model.safetensors` or `final.safetensors` is enough to rebuild the model (SPEC §4):
+One `model.safetensors` or `final.safetensors` is enough to rebuild the model (docs/DESIGN.md §4):
 
     model = model_from_weights("checkpoints/final.safetensors")
 
@@ -148,6 +148,29 @@ def resolve_weights_path(path: str | os.PathLike[str]) -> Path:
     raise FileNotFoundError(f"{p}: no weights file (expected a .safetensors file, a step_* folder or a checkpoint dir)")
 
 
+def state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str = "the file") -> str:
+    """What keeps `state` from loading into `model`, each tensor named with both shapes (as
+    hf_export names them): "tok_emb.weight: shape (512, 64) in the file, (512, 128) in this model"."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = [f"{name}: shape {tuple(state[name].shape)} in {where}, {shape} in this model"
+              for name, shape in expected.items() if name in state and tuple(state[name].shape) != shape]
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    parts = _listed(shapes, "")
+    if missing:
+        parts += _listed(missing, f"missing from {where}: ")
+    if unexpected:
+        parts += _listed(unexpected, f"in {where}, not in this model: ")
+    return "; ".join(parts) or "no tensor differs in name or shape"
+
+
+def _listed(items: list[str], prefix: str, most: int = 4) -> list[str]:
+    if not items:
+        return []
+    more = f" (and {len(items) - most} more)" if len(items) > most else ""
+    return [prefix + ", ".join(items[:most]) + more]
+
+
 def model_from_weights(path: str | os.PathLike[str], device: str | torch.device = "cpu"):
     from x1_pretrain.model import Transformer
 
@@ -155,7 +178,7 @@ def model_from_weights(path: str | os.PathLike[str], device: str | torch.device 
     model = Transformer(cfg)
     try:
         model.load_state_dict(state, strict=True)
-    except RuntimeError as e:  # tensors missing, extra or of other shapes than the config says
+    except RuntimeError:  # tensors missing, extra or of other shapes than the config says
         raise ConfigError(f"{path}: the weights do not fit the model config in its metadata: "
-                          f"{str(e).splitlines()[0][:300]}") from None
+                          f"{state_mismatch(model, state)}") from None
     return model.to(device)

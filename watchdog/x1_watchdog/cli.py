@@ -12,6 +12,7 @@ from pathlib import Path
 
 from x1_common.alerts import AlertSender
 from x1_common.contracts import WATCHDOG_METRICS_PORT, ExitCode
+from x1_common.lease import Lease, LeaseError, LeaseHeld, LeaseKind
 from x1_common.logs import setup_logging
 from x1_common.providers import PROVIDERS, api_key_from_env, make_client
 from x1_watchdog.finish import Terminator
@@ -24,12 +25,20 @@ from x1_watchdog.supervisor import StopRequest, Supervisor, SupervisorSettings
 log = logging.getLogger("x1_watchdog")
 
 DESCRIPTION = """\
-Supervises the X1 trainer and acts on its exit code (SPEC §3): a preemption (75), a crash, a
+Supervises the X1 trainer and acts on its exit code (docs/DESIGN.md §3): a preemption (75), a crash, a
 kill or a stall is relaunched with --resume-from-latest after an exponential backoff, and given up
 (with an alert) after --max-restarts relaunches inside --restart-window-seconds; a finished run
-(0), a bad config (2), a budget stop (76, 77), a refused launch (78) or a divergence (79) is never
+(0), a bad config (2), a budget stop (76, 77), a refused launch (78), a divergence (79) or a forecast stop (80) is never
 relaunched, also not by a restarted watchdog: final decisions are kept in --state-file. The
 watchdog exits with the trainer's final exit code (a trainer killed by signal N: 128+N).
+
+A start-up failure is not a preemption: a trainer that crashes (an exit code other than 75, not
+a signal nor a stall) before completing its first step, on two launches in a row, with the same
+error (the line naming it in its output: a traceback's last line; times, addresses and pids
+masked) is not launched a third time. The watchdog alerts once with that line, records the
+decision and exits 81. "Its first step" is the first step its heartbeat reports past the one its
+start-up beat named. The output is read from --trainer-log (process mode; without it only the
+exit codes are compared) or the container's log (docker mode).
 
 modes:
   process   runs the trainer command given after `--` as a child in its own process group;
@@ -55,7 +64,7 @@ modes:
             you stop yourself is resumed too: stop the keeper first.
 
 Every decision is a JSON line in --events-file ("event": start, exit, relaunch, stall, give_up,
-terminate, unhealthy, healthy). Prometheus on --port: x1_watchdog_restarts_total{reason},
+startup_failure, terminate, unhealthy, healthy). Prometheus on --port: x1_watchdog_restarts_total{reason},
 x1_watchdog_trainer_up, x1_watchdog_downtime_seconds_total, x1_watchdog_healthy,
 x1_watchdog_docker_engine_info. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY;
 alerts from SLACK_WEBHOOK_URL / SMTP_* (x1_common.alerts); none of them is ever logged.
@@ -71,9 +80,10 @@ example (provider mode, on your machine; LAMBDA_API_KEY in the environment):
 """
 
 EPILOG = """\
-exit codes: the trainer's final code (0 finished, 2 bad config, 76/77 budget stop, 78 launch
-refused, 79 diverged); after a give-up, the last trainer code; 75 after a forwarded SIGTERM;
-2 for a usage error of the watchdog itself. Provider mode: 0 once the instance is terminated
+exit codes: the trainer's final code (0 finished, 2 bad config, 76/77 budget stop, 80 forecast stop, 78 launch
+refused, 79 diverged); after a give-up, the last trainer code; 81 after a start-up failure (the
+same error twice before the first step); 75 after a forwarded SIGTERM; 2 for a usage error of
+the watchdog itself. Provider mode: 0 once the instance is terminated
 (or on SIGTERM/SIGINT), 1 after a give-up (bring-backs that keep failing count too), 2 when
 the API key is refused or the instance does not exist.
 """
@@ -104,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the final code; for a restart-always policy such as compose's unless-stopped")
     g.add_argument("--check-seconds", type=float, default=1.0, help="how often the trainer is looked at (default 1)")
     g.add_argument("--trainer-log", type=Path,
-                   help="process mode: append the trainer's output to this file (default: the watchdog's own output)")
+                   help="process mode: append the trainer's output to this file (default: the watchdog's own output); "
+                        "a start-up failure's error is read back from it")
 
     g = p.add_argument_group("relaunch policy")
     g.add_argument("--max-restarts", type=int, default=10,
@@ -121,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state-file", type=Path,
                    help="the decisions a restarted watchdog honours (default /workspace/logs/watchdog-state.json; "
                         "provider mode: ./watchdog-provider-state.json)")
+    g.add_argument("--total-steps", type=int, metavar="N",
+                   help="the run's planned total steps (the trainer's --total-steps), kept with a final decision. A "
+                        "budget stop (76) or a refused launch (78) recorded for another total is set aside for this "
+                        "re-plan: the trainer is launched again and judges the new plan against the budget")
     g.add_argument("--reset-state", action="store_true",
                    help="forget the recorded decisions (a final stop included) and start a new run")
     g.add_argument("--port", type=int, default=WATCHDOG_METRICS_PORT,
@@ -130,12 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("provider (--terminate-on-finish and provider mode)")
     g.add_argument("--terminate-on-finish", action="store_true",
-                   help="after exit 0, 76, 77 or 79: terminate the instance and write the answer to --termination-file")
+                   help="after exit 0, 76, 77, 79 or 80: terminate the instance and write the answer to --termination-file")
     g.add_argument("--provider", choices=PROVIDERS)
     g.add_argument("--api-url", help="the provider's base URL (default: the real API)")
     g.add_argument("--instance-id", help="the instance (Lambda) or pod (RunPod) id")
     g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"),
                    help="where --terminate-on-finish writes the provider's answer (default %(default)s)")
+    g.add_argument("--keep-run-dir", type=Path, metavar="DIR",
+                   help="--terminate-on-finish: storage that outlives the instance (a Lambda persistent filesystem, "
+                        "a RunPod network volume). The run folder is copied there and verified before the terminate; "
+                        "with --run-dir and without this, the terminate is refused (the folder would die with the "
+                        "instance)")
     g.add_argument("--run-dir", type=Path,
                    help="--terminate-on-finish: the run folder the trainer exported (its --run-dir); the provider's "
                         "answer is added to it as termination.json, with its manifest and dod.json updated")
@@ -184,6 +204,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: li
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if args.max_restarts < 0:
         p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.total_steps is not None and args.total_steps < 1:
+        p.error(f"--total-steps must be >= 1, got {args.total_steps}")
     if args.gpu_count < 1:
         p.error(f"--gpu-count must be >= 1, got {args.gpu_count}")
     if not 0 <= args.port <= 65535:
@@ -259,14 +281,27 @@ def main(argv: list[str] | None = None) -> int:
             ensure_writable_dir(args.trainer_log, "--trainer-log")
         if args.terminate_on_finish:
             ensure_writable_dir(args.termination_file, "--termination-file")
-        state = StateStore(args.state_file, fresh=args.reset_state)
+        # One state file, one watchdog: a second one would take the first one's live trainer for a
+        # previous watchdog's leftover and stop it. Taken before the file is read (or reset), held
+        # until this process exits.
+        Lease.for_file(args.state_file, LeaseKind.WATCHDOG).acquire()
+        state = StateStore(args.state_file, fresh=args.reset_state, total_steps=args.total_steps)
         events = EventLog(args.events_file)
-    except (StateError, OSError) as e:
+    except (StateError, OSError, LeaseHeld, LeaseError) as e:
         log.error("%s", e)
         return ExitCode.USAGE
     if args.reset_state:
         log.warning("--reset-state: previous decisions in %s forgotten", args.state_file)
+    if (cleared := state.clear_for_replan()) is not None:
+        log.warning("re-plan: the final decision %s (exit %s at %s, for %s total steps) is set aside for --total-steps "
+                    "%d; launching the trainer to continue from its latest checkpoint", cleared.get("reason"),
+                    cleared.get("exit_code"), cleared.get("time"), cleared.get("total_steps"), args.total_steps)
+        events.write("replan", exit_code=cleared.get("exit_code"), reason=cleared.get("reason"),
+                     old_total_steps=cleared.get("total_steps"), new_total_steps=args.total_steps)
     metrics = WatchdogMetrics()
+    events.on_write = metrics.last_decision
+    if state.final is not None:  # a decision taken by an earlier watchdog: shown until a new one
+        metrics.last_decision({"event": "final", **state.final})
     metrics.serve(args.port, args.metrics_host)
     stop = StopRequest()
     stop.install()
@@ -297,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.terminate_on_finish:
         client = make_client(args.provider, args.api_url, api_key_from_env(args.provider))
         on_final = Terminator(client, args.provider, args.instance_id, args.termination_file, state, events, alerter,
-                              run_dir=args.run_dir)
+                              run_dir=args.run_dir, keep_dir=args.keep_run_dir)
+        if args.run_dir is not None and args.keep_run_dir is None:
+            log.warning("--terminate-on-finish without --keep-run-dir: the run folder %s would die with the instance, "
+                        "so the terminate at the end will be refused (set RESULTS_DIR)", args.run_dir)
     try:
         handle = make_handle(args, command, metrics)
     except StartError as e:

@@ -2,11 +2,12 @@
 the mounted socket (httpx over a unix socket, no Docker SDK).
 
 Every decision is the supervisor's, shared with process mode and tested there; this file only
-translates start / poll / signal / kill into three Engine API calls:
+translates start / poll / signal / kill, and the trainer's last words, into four Engine API calls:
 
     GET  /v{api}/containers/{name}/json              State.Running, ExitCode, OOMKilled, StartedAt, Pid
     POST /v{api}/containers/{name}/start             204 started, 304 already running
     POST /v{api}/containers/{name}/kill?signal=SIG   204 sent, 409 not running
+    GET  /v{api}/containers/{name}/logs?since=T      the output since the start (a start-up failure's error)
 
 The API version is negotiated as the Docker SDKs do. An engine serves a band of versions, from
 its MinAPIVersion to its ApiVersion, and refuses any other with HTTP 400 ("client version 1.43
@@ -43,6 +44,7 @@ from typing import Any
 import httpx
 
 from x1_watchdog.handles import TrainerExit, TrainerUnreachable
+from x1_watchdog.policy import OUTPUT_TAIL_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,8 @@ class ApiVersion:
 
 
 # The band this client speaks. 1.41 is Engine 20.10 (Debian 12's docker.io), the oldest engine
-# tested; 1.52 is Engine 29, the newest whose API reference the three calls above were checked
-# against (they have not changed since 1.24). A newer engine is spoken to at 1.52, or at its own
+# tested; 1.52 is Engine 29, the newest whose API reference the calls above were checked
+# against (none has changed since 1.24). A newer engine is spoken to at 1.52, or at its own
 # minimum when that is higher still (the SDKs never go below it either).
 CLIENT_MIN_API = ApiVersion(1, 41)
 CLIENT_MAX_API = ApiVersion(1, 52)
@@ -128,6 +130,18 @@ def exit_from_state(state: dict[str, Any]) -> TrainerExit:
     # The runtime reports a container killed by signal N as 128 + N, as a shell does.
     sig = code - 128 if 128 < code <= 128 + 64 else None
     return TrainerExit(code=code, signal=sig, detail=detail)
+
+
+def demux_logs(raw: bytes) -> bytes:
+    """A container's log stream as text. Without a TTY the engine multiplexes stdout and stderr in
+    frames (one byte for the stream: 0 stdin, 1 stdout, 2 stderr; three zero bytes; the length as
+    four big-endian bytes; the payload); with a TTY the stream is the raw output."""
+    out, i = bytearray(), 0
+    while i + 8 <= len(raw) and raw[i] in (0, 1, 2) and raw[i + 1:i + 4] == b"\0\0\0":
+        size = int.from_bytes(raw[i + 4:i + 8], "big")
+        out += raw[i + 8:i + 8 + size]
+        i += 8 + size
+    return bytes(out) if i == len(raw) else raw
 
 
 def refusal(resp: httpx.Response) -> str | None:
@@ -299,6 +313,19 @@ class DockerHandle:
 
     def identity(self) -> dict[str, Any] | None:
         return {"container": self.container}
+
+    def output_tail(self) -> str | None:
+        """The container's output since this trainer started (`docker logs --since --tail`)."""
+        since = str(int(self._started_at)) if self._started_at else "0"
+        try:
+            resp = self._call("GET", "/logs", stdout="1", stderr="1", since=since, tail="500")
+        except TrainerUnreachable as e:
+            log.warning("docker logs %s: %s", self.container, e)
+            return None
+        if resp.status_code != 200:  # e.g. a logging driver that cannot be read back
+            log.warning("docker logs %s: HTTP %d: %s", self.container, resp.status_code, resp.text[:300])
+            return None
+        return demux_logs(resp.content)[-OUTPUT_TAIL_BYTES:].decode("utf-8", errors="replace")
 
     def end_leftover(self, identity: dict[str, Any], grace_seconds: float) -> None:
         pass  # the container is the same one: start() adopts it if it still runs

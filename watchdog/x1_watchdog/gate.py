@@ -2,10 +2,11 @@
 
 The trainer container's launcher (trainer/entrypoint.sh) asks this before it trains. Compose
 starts the trainer container on every `docker compose up`, whatever the watchdog decided; after
-a finished run, a budget stop, a divergence or a give-up, such a start must not train on. So:
-no state file or no final decision: prints nothing, exit 0 (train). A final decision: prints its
-exit code on stdout (the launcher exits with it) and the reason on stderr, exit 0. A state file
-that cannot be trusted: the reason on stderr, exit 2 (the watchdog refuses it too).
+a finished run, a budget stop, a divergence, a give-up or a start-up failure, such a start must
+not train on. So: no state file or no final decision: prints nothing, exit 0 (train). A final
+decision: prints its exit code on stdout (the launcher exits with it) and the reason on stderr,
+exit 0. A state file that cannot be trusted: the reason on stderr, exit 2 (the watchdog refuses
+it too).
 """
 
 from __future__ import annotations

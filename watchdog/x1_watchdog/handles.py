@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from x1_common.contracts import end_reason, redact, should_relaunch
 from x1_common.procs import proc_start_ticks
+from x1_watchdog.policy import OUTPUT_TAIL_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,11 @@ class TrainerHandle(Protocol):
         """What the state file keeps to recognise this trainer after a watchdog restart."""
         ...
 
+    def output_tail(self) -> str | None:
+        """The end of what the current trainer printed (its last OUTPUT_TAIL_BYTES), after it
+        exited: its error is there. None when the watchdog cannot see its output."""
+        ...
+
     def end_leftover(self, identity: dict[str, Any], grace_seconds: float) -> None:
         """Called by a restarted watchdog with the previous trainer's identity: a trainer that
         outlived its watchdog must not run beside the next one (two writers of one checkpoint dir)."""
@@ -114,6 +120,7 @@ class ProcessHandle:
         self.label = redact(" ".join(self.command))  # what events and logs show; updated at each start
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
+        self._log_offset = 0  # where the current trainer's output begins in log_path
 
     @property
     def pid(self) -> int | None:
@@ -136,6 +143,7 @@ class ProcessHandle:
             out = open(self.log_path, "ab") if self.log_path is not None else None  # noqa: SIM115 - the child keeps it
         except OSError as e:
             raise StartError(f"cannot open the trainer's log {self.log_path}: {e.strerror}") from e
+        self._log_offset = os.fstat(out.fileno()).st_size if out is not None else 0
         try:
             # start_new_session: own session and process group (pgid == pid), no controlling tty.
             self._proc = subprocess.Popen(argv, start_new_session=True, stdout=out, stderr=out)
@@ -175,6 +183,21 @@ class ProcessHandle:
         if self._proc is None:
             return None
         return {"pid": self._proc.pid, "proc_start_ticks": proc_start_ticks(self._proc.pid)}
+
+    def output_tail(self) -> str | None:
+        """From --trainer-log, what this trainer appended. Without it the output went to the
+        watchdog's own stdout and stderr, which it does not read back."""
+        if self.log_path is None:
+            return None
+        try:
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                begin = self._log_offset if self._log_offset <= size else 0  # a log truncated meanwhile
+                f.seek(max(begin, size - OUTPUT_TAIL_BYTES))
+                return f.read().decode("utf-8", errors="replace")
+        except OSError as e:
+            log.warning("cannot read the trainer's log %s: %s", self.log_path, e.strerror)
+            return None
 
     def end_leftover(self, identity: dict[str, Any], grace_seconds: float) -> None:
         pid = identity.get("pid")

@@ -13,6 +13,7 @@ from x1_common.contracts import (
     M_WATCHDOG_DOCKER_ENGINE,
     M_WATCHDOG_DOWNTIME,
     M_WATCHDOG_HEALTHY,
+    M_WATCHDOG_LAST_DECISION,
     M_WATCHDOG_RESTARTS,
     M_WATCHDOG_TRAINER_UP,
 )
@@ -52,8 +53,18 @@ class WatchdogMetrics:
             M_WATCHDOG_DOCKER_ENGINE, "docker mode: the Engine's release, the API versions it serves, the one spoken.",
             registry=self.registry,
         )
+        self._decision = Info(
+            M_WATCHDOG_LAST_DECISION, "the watchdog's last decision (its last event): event, exit_code, reason, time.",
+            registry=self.registry,
+        )
         for reason in RESTART_REASONS:
             self._restarts.labels(reason=reason)
+
+    def last_decision(self, record: dict[str, Any]) -> None:
+        """The event just written, as /metrics shows it."""
+        self._decision.info({"event": str(record.get("event", "")), "exit_code": str(record.get("exit_code", "")),
+                             "reason": str(record.get("reason") or record.get("error") or "")[:200],
+                             "time": str(record.get("time", ""))})
 
     def serve(self, port: int, host: str) -> None:
         """Starts the /metrics server on a daemon thread; port 0 disables it."""

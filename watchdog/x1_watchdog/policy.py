@@ -1,15 +1,17 @@
-"""The two judgements the supervisor makes on a clock: is the trainer stalled, and may (and when
-may) it be relaunched. Plain objects over numbers, so the rules read in one place."""
+"""The judgements the supervisor makes: is the trainer stalled, may (and when may) it be
+relaunched, and did it fail at start-up (no step completed, the same error as the launch before).
+Plain objects over numbers and text, so the rules read in one place."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from x1_common.contracts import CLOCK_SKEW_S, Heartbeat
+from x1_common.contracts import CLOCK_SKEW_S, Heartbeat, redact
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +114,104 @@ class StallDetector:
     def heartbeat_age(self, now: float) -> float | None:
         beat = self.own_heartbeat()
         return None if beat is None else round(now - self.beat_time(beat, now), 3)
+
+
+class LaunchProgress:
+    """Has the current launch completed a step? Its heartbeat says.
+
+    A trainer's first beats are in a start-up phase ("startup", "compiling") and name the step it
+    starts from (0, or the checkpoint it resumed); a later beat at a higher step is progress. A
+    launch that died before beating at all made none. The trainer beats at its log steps and
+    checkpoints, so "its first step" is the first step it reports. The watchdog reads the file once
+    a check (and once more after the exit); a launch whose start-up beat it never saw, only later
+    ones, may have started lower than it can tell: that counts as progress, so in doubt today's
+    rules apply.
+    """
+
+    STARTUP_PHASES = ("startup", "compiling")
+
+    def __init__(self, heartbeat_file: str | os.PathLike[str]) -> None:
+        self.heartbeat_file = Path(heartbeat_file)
+        self._started_at = 0.0
+        self._start_step: int | None = None  # the lowest step this launch beat in a start-up phase
+        self._high: int | None = None  # the highest step this launch beat
+
+    def arm(self, started_at: float) -> None:
+        """Called at each trainer start, with the wall-clock start time."""
+        self._started_at = started_at
+        self._start_step = self._high = None
+        self.observe()  # an adopted trainer (docker mode) may have beaten already
+
+    def observe(self) -> None:
+        beat = Heartbeat.read(self.heartbeat_file)
+        if beat is None or beat.time < self._started_at:  # none yet, or the previous trainer's
+            return
+        if beat.phase in self.STARTUP_PHASES:
+            self._start_step = beat.step if self._start_step is None else min(self._start_step, beat.step)
+        self._high = beat.step if self._high is None else max(self._high, beat.step)
+
+    @property
+    def progressed(self) -> bool:
+        if self._high is None:
+            return False  # died before its first beat
+        return self._start_step is None or self._high > self._start_step
+
+    def describe(self) -> str:
+        if self._high is None:
+            return "no heartbeat"
+        if self._start_step is None:
+            return f"at step {self._high} (its start-up beat not seen)"
+        return f"from step {self._start_step} to step {self._high}" if self.progressed else f"still at step {self._start_step}"
+
+
+# What differs between two runs of the same failure: times, addresses, process ids.
+_VOLATILE = (
+    (re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"), "<time>"),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "<addr>"),
+    (re.compile(r"\b(pid|PID)([:= ]\s*)\d+"), r"\1\2<pid>"),
+)
+_ERROR_WORD = re.compile(r"(?i:\b(?:error|critical|fatal)\b)|\w(?:Error|Exception)\b")
+OUTPUT_TAIL_BYTES = 64 << 10  # how much of a trainer's output is read back for its error
+
+
+def error_line(output: str) -> str:
+    """The line that names why a trainer died: the exception line of its last Python traceback,
+    else its last line that says error, else its last line ("" for no output). Lines written after
+    the traceback (a logger's shutdown, a tracking client's goodbye) must not hide it."""
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            for line in lines[i + 1:]:
+                if not line[:1].isspace():
+                    return line.strip()
+    for line in reversed(lines):
+        if _ERROR_WORD.search(line):
+            return line.strip()
+    return lines[-1].strip() if lines else ""
+
+
+def error_key(line: str) -> str:
+    """`line` with what changes between two runs of one failure (times, addresses, pids) masked."""
+    for pattern, mask in _VOLATILE:
+        line = pattern.sub(mask, line)
+    return " ".join(line.split())
+
+
+@dataclass(frozen=True)
+class StartupFailure:
+    """A launch that crashed (an exit code other than 75, not a signal) before its first step."""
+
+    exit_code: int
+    error: str  # the error's last line as the trainer printed it (secrets masked); "" when unseen
+    key: str  # what "the same error" compares: the exit code and the masked line
+
+    @classmethod
+    def from_output(cls, exit_code: int, output: str | None) -> StartupFailure:
+        line = redact(error_line(output or ""))[:1000]
+        return cls(exit_code=exit_code, error=line, key=f"{exit_code} {error_key(line)}")
+
+    def same_as(self, previous: object) -> bool:
+        return isinstance(previous, dict) and previous.get("key") == self.key
+
+    def to_dict(self) -> dict[str, object]:
+        return {"exit_code": self.exit_code, "error": self.error, "key": self.key}

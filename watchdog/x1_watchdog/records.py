@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class EventLog:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.on_write: Callable[[dict[str, Any]], None] = lambda record: None  # e.g. /metrics' last decision
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "time": iso_time(), **fields}
@@ -60,6 +62,7 @@ class EventLog:
         except OSError as e:
             # A full disk must not kill the supervisor: an unsupervised trainer is worse than a gap.
             log.error("event not written to %s (%s): %s", self.path, e, line.strip())
+        self.on_write(record)
         return record
 
 
@@ -96,10 +99,15 @@ class StateError(Exception):
     """The state file exists but cannot be trusted; the message names the file and the problem."""
 
 
+# A budget stop (checkpoint written) and a refused launch: continued by a run re-planned to fewer steps.
+REPLANNABLE_EXIT_CODES = frozenset({76, 78})
+
+
 class StateStore:
     """The watchdog's persistent memory.
 
-    `final` is the run-level decision (finished, budget stop, divergence, bad config, given up):
+    `final` is the run-level decision (finished, budget stop, divergence, bad config, given up,
+    start-up failure):
     once set, no watchdog relaunches anything until a person passes --reset-state. `restart_times`
     are the wall-clock times of relaunches, so the give-up window survives a watchdog restart.
     `instance_id` is the instance being followed in provider mode (a Lambda relaunch gets a new id).
@@ -114,9 +122,12 @@ class StateStore:
     `restarts_total` is recounted, and other fields of the wrong type are dropped.
     """
 
-    def __init__(self, path: str | os.PathLike[str], fresh: bool = False) -> None:
-        """`fresh` forgets whatever the file held (--reset-state) without reading it."""
+    def __init__(self, path: str | os.PathLike[str], fresh: bool = False, total_steps: int | None = None) -> None:
+        """`fresh` forgets whatever the file held (--reset-state) without reading it. `total_steps`:
+        the run's planned total (--total-steps), kept with a final decision so that a re-plan can
+        be told from a restart of the same plan (clear_for_replan)."""
         self.path = Path(path)
+        self.total_steps = total_steps
         if fresh:
             self.data = self._empty()
             self._save()
@@ -170,6 +181,9 @@ class StateStore:
             if value is not None and not isinstance(value, kinds):
                 fixes.append(f"{key} {_short(value)} is not a {kinds.__name__}: dropped")
                 data[key] = None
+        if not isinstance(data.get("replans", []), list):
+            fixes.append(f"replans {_short(data.get('replans'))} is not a list: dropped")
+            data["replans"] = []
         for fix in fixes:
             log.warning("state file %s: %s", self.path, fix)
         return data
@@ -239,13 +253,36 @@ class StateStore:
         self._save()
         return self.restarts_total
 
-    def record_exit(self, exit_code: int, reason: str) -> None:
-        self.data["last_exit"] = {"exit_code": exit_code, "reason": reason, "time": iso_time()}
+    @property
+    def last_exit(self) -> dict[str, Any] | None:
+        """How the previous trainer ended (record_exit), also for a restarted watchdog."""
+        return self.data.get("last_exit")
+
+    def record_exit(self, exit_code: int, reason: str, **extra: Any) -> None:
+        self.data["last_exit"] = {"exit_code": exit_code, "reason": reason, "time": iso_time(), **extra}
         self._save()
 
     def record_final(self, exit_code: int, reason: str, **extra: Any) -> None:
-        self.data["final"] = {"exit_code": exit_code, "reason": reason, "time": iso_time(), **extra}
+        plan = {"total_steps": self.total_steps} if self.total_steps is not None else {}
+        self.data["final"] = {"exit_code": exit_code, "reason": reason, "time": iso_time(), **plan, **extra}
         self._save()
+
+    def clear_for_replan(self) -> dict[str, Any] | None:
+        """A budget stop (76) or a refused launch (78) whose run is now planned with other total
+        steps: that decision is set aside (kept under `replans`) so the trainer is launched for the
+        new plan, which it judges against the budget itself. Only for that re-plan: a stop of the
+        new plan records its own total, and a restart with the same total honours it. Returns the
+        decision set aside, None when nothing was cleared."""
+        final = self.final
+        if (final is None or self.total_steps is None or final.get("exit_code") not in REPLANNABLE_EXIT_CODES
+                or final.get("terminated") or not _plain_int(final.get("total_steps"))
+                or final["total_steps"] == self.total_steps):
+            return None
+        record = {**final, "new_total_steps": self.total_steps, "cleared": iso_time()}
+        self.data.setdefault("replans", []).append(record)
+        self.data["final"] = None
+        self._save()
+        return record
 
     def update_final(self, **fields: Any) -> None:
         if self.data["final"] is None:

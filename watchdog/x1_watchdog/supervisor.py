@@ -1,7 +1,9 @@
-"""The supervisor: one state machine for process and docker mode (SPEC §3's decision table).
+"""The supervisor: one state machine for process and docker mode (docs/DESIGN.md §3's decision table).
 
-    start ─▶ watch ─▶ exit ─┬─ final code (0, 2, 76, 77, 78, 79) ─▶ persist, alert, [terminate], stop
+    start ─▶ watch ─▶ exit ─┬─ final code (0, 2, 76-80) ─▶ persist, alert, [terminate], stop
        ▲                    ├─ stop requested (SIGTERM/SIGINT forwarded) ─▶ stop, nothing persisted as final
+       │                    ├─ a crash before the first step, with the same error as the launch
+       │                    │  before ─▶ startup_failure: persist, alert, stop (exit 81)
        │                    ├─ too many relaunches in the window ─▶ give_up: persist, alert, stop
        └── backoff ◀────────┴─ 75, crash, kill, stall
 
@@ -23,17 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from x1_common.contracts import ExitCode
+from x1_common.contracts import ExitCode, end_reason
 from x1_watchdog.handles import TrainerExit, TrainerHandle, TrainerUnreachable
 from x1_watchdog.metrics import WatchdogMetrics
-from x1_watchdog.policy import RestartPolicy, StallDetector
+from x1_watchdog.policy import LaunchProgress, RestartPolicy, StallDetector, StartupFailure
 from x1_watchdog.records import EventLog, StateStore
 
 log = logging.getLogger(__name__)
 
-# Final codes a person must hear about (SPEC §3: "stop, alert"); 0 and 2 only stop.
+# Final codes a person must hear about (docs/DESIGN.md §3: "stop, alert"); 0 and 2 only stop.
 ALERT_EXIT_CODES = frozenset(
-    {ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.LAUNCH_REFUSED, ExitCode.DIVERGED}
+    {ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.LAUNCH_REFUSED, ExitCode.DIVERGED,
+     ExitCode.FORECAST_STOP}
 )
 
 # How long to wait for a SIGKILLed trainer to be reaped before calling it unkillable.
@@ -132,6 +135,7 @@ class Supervisor:
         self.alerter = alerter
         self.stop = stop
         self.on_final = on_final  # after a final decision is persisted: e.g. terminate the instance
+        self.progress = LaunchProgress(detector.heartbeat_file)  # has this launch completed a step?
         self._unreachable_since: float | None = None  # wall time the trainer became unreachable
         self._unreachable_detail = ""
 
@@ -168,17 +172,23 @@ class Supervisor:
             exited_at = time.monotonic()
             self.metrics.set_up(False)
             ex = outcome.exit
-            self.state.record_exit(ex.code, outcome.reason)
+            previous = self.state.last_exit or {}
+            failure = self._startup_failure(outcome)
+            self.state.record_exit(ex.code, outcome.reason,
+                                   **({"startup_failure": failure.to_dict()} if failure else {}))
             self.events.write(
                 "exit", **exit_fields(ex), reason=outcome.reason, pid=self.handle.pid,
                 restart=self.state.restarts_total, runtime_seconds=round(time.time() - self.handle.started_at, 3),
-                stop_requested=outcome.stop_requested,
+                stop_requested=outcome.stop_requested, progress=self.progress.describe(),
+                **({"error": failure.error} if failure else {}),
             )
             if outcome.stop_requested:
                 log.info("trainer exited with %d after the forwarded stop; not relaunching", ex.code)
                 return ex.code
             if outcome.cause is None and not ex.relaunchable:
                 return self._final(ex)
+            if failure is not None and failure.same_as(previous.get("startup_failure")):
+                return self._startup_failed(failure)
 
             now = time.time()
             if not self.policy.may_relaunch(self.state.restart_times, now):
@@ -214,6 +224,7 @@ class Supervisor:
                 delay = min(delay * 2, max(self.policy.backoff_max_seconds, 1.0))
         self._reachable()
         self.detector.arm(self.handle.started_at)
+        self.progress.arm(self.handle.started_at)
         self.state.record_start(self.handle.identity())
         self.metrics.set_up(True)
         self.events.write(
@@ -270,6 +281,7 @@ class Supervisor:
             ex = self._poll()
             if ex is not None:
                 return Outcome(ex, cause=None, stop_requested=False)
+            self.progress.observe()
             if self.stop.requested:
                 if not self.settings.forward_stop:
                     raise LeaveRunning()
@@ -335,6 +347,42 @@ class Supervisor:
             )
         self.on_final(ex.code, reason)
         return ex.code
+
+    def _startup_failure(self, outcome: Outcome) -> StartupFailure | None:
+        """The launch as a start-up failure: it crashed (an exit code, not a signal nor 75; not a
+        stall; not a requested stop) before completing its first step. Else None: today's rules."""
+        ex = outcome.exit
+        if outcome.cause is not None or outcome.stop_requested or ex.signal is not None:
+            return None
+        if ex.code == ExitCode.PREEMPTED or not ex.relaunchable:
+            return None
+        self.progress.observe()  # its last beat, written just before it exited
+        if self.progress.progressed:
+            return None
+        return StartupFailure.from_output(ex.code, self.handle.output_tail())
+
+    def _startup_failed(self, failure: StartupFailure) -> int:
+        """Two launches in a row died before their first step with the same error: a third would
+        pay for the same start-up again. Final, persisted, alerted once; exit 81."""
+        code = ExitCode.STARTUP_FAILED
+        error = failure.error or "(its output was not readable: process mode reads it from --trainer-log)"
+        detail = (f"the trainer exited with {failure.exit_code} before completing its first step, on two "
+                  f"launches in a row, with the same error: {error}")
+        log.error("start-up failure, not relaunching: %s", detail)
+        delivered = self.alerter.send(
+            "watchdog-startup-failure", f"trainer cannot start: {error[:200]}",
+            f"{detail}\nThe watchdog will not relaunch it (exit {int(code)}). Fix the cause, then start a new "
+            "run or pass the watchdog --reset-state.",
+            {"exit_code": failure.exit_code, "error": error, "watchdog_exit_code": int(code)},
+        )
+        self.events.write(
+            "startup_failure", exit_code=failure.exit_code, error=failure.error, launches=2,
+            restart=self.state.restarts_total, alerted=delivered, watchdog_exit_code=int(code),
+        )
+        reason = end_reason(code)  # startup-failure
+        self.state.record_final(int(code), reason, trainer_exit_code=failure.exit_code, error=failure.error)
+        self.on_final(int(code), reason)
+        return int(code)
 
     def _give_up(self, outcome: Outcome) -> int:
         ex = outcome.exit

@@ -1,0 +1,5 @@
+import sys
+
+from x1_launch.cli import main
+
+sys.exit(main())

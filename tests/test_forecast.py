@@ -1,0 +1,263 @@
+"""The final-loss forecast (x1_pretrain.forecast): on curves drawn from the law with noise, spikes,
+resumes and a changed total; too few points; the alert once per crossing with the money, through a
+real webhook; the opt-in stop on the tiny CPU config (exit 80 with a checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import cli_env, run_module, train_args
+from receivers import WebhookReceiver
+from x1_common.alerts import AlertSender
+from x1_common.contracts import FINAL_EXIT_CODES, ExitCode, should_relaunch
+from x1_pretrain.budget_guard import Projection
+from x1_pretrain.checkpoint import TrainerState
+from x1_pretrain.forecast import (
+    Curve,
+    ForecastError,
+    ForecastWatch,
+    Priors,
+    Schedule,
+    areas,
+    fit_power,
+    forecast,
+)
+from x1_pretrain.forecast_rule import first_judged_step
+from x1_pretrain.tracking import NullSink
+
+SCHEDULE = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=100, total_steps=5000)
+MEMORY, C_TRUE = 0.1, 2.0
+PRIORS = Priors(C=C_TRUE, C_sd=0.2 * C_TRUE, memory=MEMORY, alpha=0.4, alpha_sd=0.1, interval_scale=1.5)
+
+
+def law(schedule: Schedule):
+    """A curve drawn from the law itself: L0 2.8, A 6, alpha 0.4, C 2, memory 10% of the run."""
+    S1, S2 = areas(schedule, MEMORY)
+    return lambda s: 2.8 + 6.0 * S1[s] ** -0.4 - C_TRUE * S2[s]
+
+
+def drawn_losses(schedule: Schedule = SCHEDULE, seed: int = 0, eval_every: int = 100) -> tuple[np.ndarray, dict[int, float]]:
+    """Train losses at steps 1..total with noise (0.05 nats) and an offset of 0.05 over val; val at every eval (0.005)."""
+    true, rng = law(schedule), np.random.default_rng(seed)
+    T = schedule.total_steps
+    train = np.array([0.0] + [true(s) + 0.05 + rng.normal(0, 0.05) for s in range(1, T + 1)])
+    val = {s: true(s) + rng.normal(0, 0.005) for s in range(eval_every, T + 1, eval_every)}
+    return train, val
+
+
+def drawn_curve(until: int, schedule: Schedule = SCHEDULE, seed: int = 0, spikes: tuple[int, ...] = (),
+                flag_spikes: bool = True) -> Curve:
+    """The curve up to `until`; at `spikes`, train losses 3 nats up, and the evals within 60 steps after one 0.8 up."""
+    train, val = drawn_losses(schedule, seed)
+    curve = Curve(bin_width=25)
+    for s in range(1, until + 1):
+        spike = s in spikes
+        curve.add_train(s, train[s] + (3.0 if spike else 0.0), flagged=spike and flag_spikes)
+        if s in val:
+            curve.add_val(s, val[s] + (0.8 if any(0 <= s - k < 60 for k in spikes) else 0.0))
+    return curve
+
+
+@pytest.mark.parametrize("fraction,within", [(0.10, 0.05), (0.25, 0.05), (0.50, 0.02)])
+def test_a_curve_drawn_from_the_law_is_forecast_within_the_goal_and_inside_its_interval(fraction, within):
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    step = int(SCHEDULE.total_steps * fraction)
+    for seed in range(3):
+        f = forecast(drawn_curve(step, seed=seed), SCHEDULE, PRIORS, step)
+        assert f.ready and f.total_steps == SCHEDULE.total_steps
+        assert abs(f.value - truth) < within, f.line()
+        assert f.low <= truth <= f.high, f.line()
+        assert f.line().startswith("forecast: final val loss ") and "law lr-annealing" in f.line()
+
+
+def test_the_plain_power_law_misses_the_cosine_end_the_annealing_law_sees():
+    """E + A t^-alpha knows nothing of the decay: from half the run it lands well above the end."""
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    curve = drawn_curve(2500)
+    steps = np.array(sorted(s for s in curve.val if s >= SCHEDULE.warmup_steps), dtype=float)
+    power = fit_power(steps, np.array([curve.val[int(s)] for s in steps]), SCHEDULE.total_steps)
+    annealing = forecast(curve, SCHEDULE, PRIORS, 2500).value
+    assert abs(annealing - truth) < 0.02
+    assert power - truth > 0.05
+
+
+def test_too_few_points_says_not_enough_points_yet_rather_than_a_number():
+    f = forecast(drawn_curve(150), SCHEDULE, PRIORS, 150)  # one eval after the warm-up
+    assert not f.ready and f.value is None and f.low is None
+    assert f.line().startswith("forecast: not enough points yet at step 150/5000")
+    assert "1 evals" in f.line()
+    assert not f.outside(3.2, 3.5)  # no number: never out of the band
+
+
+def test_flagged_spikes_do_not_drag_the_forecast():
+    clean = forecast(drawn_curve(1250), SCHEDULE, PRIORS, 1250)
+    spikes = (600, 601, 602, 1000)
+    flagged = forecast(drawn_curve(1250, spikes=spikes), SCHEDULE, PRIORS, 1250)
+    assert abs(flagged.value - clean.value) < 0.01, (flagged.line(), clean.line())
+    assert flagged.train_points <= clean.train_points and flagged.val_points < clean.val_points  # the evals after them are out
+    unflagged = forecast(drawn_curve(1250, spikes=spikes, flag_spikes=False), SCHEDULE, PRIORS, 1250)
+    assert abs(unflagged.value - clean.value) > abs(flagged.value - clean.value)
+
+
+def test_a_resume_continues_the_curve_from_the_checkpoint_state_without_counting_replayed_steps():
+    uninterrupted = drawn_curve(1250)
+    train, val = drawn_losses()
+    # Checkpointed at 1000, killed at 1100 twice over: each resume replays 1001..1100, then the run goes on.
+    state = TrainerState(step=1000, tokens_seen=0, config_hash="h", config={}, sampler={},
+                         forecast={"curve": drawn_curve(1000).to_state(), "outside": False, "history": []})
+    restored = TrainerState.from_json(state.to_json())  # through the checkpoint's own JSON and its checks
+    watch = ForecastWatch.for_run(SCHEDULE, 5000, 25, restored.forecast, priors=PRIORS)
+    assert watch.curve.seen_train == 1000 and max(watch.curve.val) == 1000
+    for s in [*range(1001, 1101), *range(1001, 1251)]:
+        watch.observe(s, float(train[s]), False)
+        if s in val:
+            watch.curve.add_val(s, val[s])
+    assert watch.curve.train_points()[2].sum() == uninterrupted.train_points()[2].sum() == 1250
+    assert forecast(watch.curve, SCHEDULE, PRIORS, 1250).value == pytest.approx(
+        forecast(uninterrupted, SCHEDULE, PRIORS, 1250).value, abs=1e-9)
+
+
+def test_a_changed_total_steps_recomputes_the_schedule_and_keeps_the_points():
+    curve = drawn_curve(1250)
+    longer = Schedule(lr=SCHEDULE.lr, min_lr=SCHEDULE.min_lr, warmup_steps=SCHEDULE.warmup_steps, total_steps=10000)
+    moved = Curve.from_state(json.loads(json.dumps(curve.to_state())), bin_width=50)  # the new total's bin width
+    assert len(moved.train_points()[0]) == len(curve.train_points()[0])
+    short = forecast(curve, SCHEDULE, PRIORS, 1250)
+    long = forecast(moved, longer, PRIORS, 1250)
+    assert long.total_steps == 10000 and "at step 10000" in long.line()
+    assert long.value < short.value - 0.05  # twice the steps, the same data so far: a lower end
+    moved.add_train(1251, 3.5)
+    assert moved.train_points()[2].sum() == 1251
+
+
+def test_first_judged_step_is_the_first_eval_with_enough_points():
+    # The 50M run: evals every 1800 steps, warm-up 1000: the second eval is the first judged.
+    assert first_judged_step(84000, 1000, 1800, 10) == 3600
+    assert first_judged_step(40, 10, 50, 5) is None or first_judged_step(40, 10, 50, 5) == 40
+
+
+def projection(spent: float, judged: float) -> Projection:
+    return Projection(spent_usd=spent, rate_usd_per_hr=1.1, sidecar_usd=judged, own_usd=judged, hours_needed=20.0,
+                      margin=0.1, need=None)
+
+
+def test_the_band_alert_fires_once_per_crossing_with_the_money_through_a_real_webhook():
+    hook = WebhookReceiver()
+    try:
+        watch = ForecastWatch(schedule=SCHEDULE, priors=PRIORS, band=(3.20, 3.50),
+                              alerts=AlertSender.from_env({"SLACK_WEBHOOK_URL": hook.url}))
+        train, val = drawn_losses()
+        evals = iter(sorted(val.items()))
+
+        def run_until(step: int, band: tuple[float, float], spend: Projection | None) -> list[int]:
+            watch.band, codes = band, []
+            for s in range(watch.curve.seen_train + 1, step + 1):
+                watch.observe(s, float(train[s]), False)
+                if s in val:
+                    codes.append(watch.judge(*next(evals), NullSink(), spend))
+            return codes
+
+        # The forecast (~2.90) lies below [3.20, 3.50] at every eval from the first one judged: one alert.
+        assert run_until(1500, (3.20, 3.50), projection(6.10, 28.40)) == [0] * 15
+        assert len(hook.posts) == 1
+        text = hook.posts[0]["text"]
+        assert "forecast 2.9" in text and "band [3.20, 3.50]" in text and "spent $6.10, $22.30 more to finish" in text
+        first_out = next(h for h in watch.history if h["high"] < 3.20)  # earlier intervals reached into the band
+        assert f"at step {first_out['step']}," in text
+        assert watch.history[-1]["step"] == 1500
+        assert abs(watch.history[-1]["value"] - law(SCHEDULE)(5000)) < 0.05
+        # Back inside (the band moved to hold it), then out again: a second alert, once.
+        run_until(1700, (2.5, 3.5), projection(6.5, 28.4))
+        assert len(hook.posts) == 1 and not watch.outside
+        run_until(2000, (3.3, 3.5), None)
+        assert len(hook.posts) == 2 and "no budget reading" in hook.posts[1]["text"]
+        # With the stop asked for, an interval outside the band stops the run: 80, no new alert.
+        watch.stop_outside = True
+        assert run_until(2100, (3.3, 3.5), None) == [ExitCode.FORECAST_STOP] == [80]
+        assert len(hook.posts) == 2
+    finally:
+        hook.close()
+
+
+def test_exit_80_is_final_for_the_watchdog_like_a_budget_stop():
+    assert ExitCode.FORECAST_STOP in FINAL_EXIT_CODES and not should_relaunch(80)
+    from x1_watchdog.finish import TERMINATE_EXIT_CODES
+    from x1_watchdog.supervisor import ALERT_EXIT_CODES
+
+    assert ExitCode.FORECAST_STOP in TERMINATE_EXIT_CODES and ExitCode.FORECAST_STOP in ALERT_EXIT_CODES
+
+
+@pytest.mark.parametrize("field,value", [("C", -1.0), ("memory", 1.5), ("alpha", "x"), ("interval_scale", None)])
+def test_a_bad_priors_file_is_refused_naming_the_field(tmp_path: Path, field, value):
+    good = json.loads(Path(__file__).resolve().parents[1].joinpath("trainer/x1_pretrain/forecast_priors.json").read_text())
+    path = tmp_path / "priors.json"
+    path.write_text(json.dumps({**good, field: value}))
+    with pytest.raises(ForecastError, match=f"'{field}'"):
+        Priors.load(path)
+
+
+def test_the_shipped_priors_load_and_say_where_they_come_from():
+    priors = Priors.load()
+    assert priors.C >= 0 and 0 < priors.memory <= 1 and priors.interval_scale >= 1
+    assert priors.provenance.get("command") and priors.provenance.get("runs")
+
+
+def test_outside_the_band_the_trainer_alerts_once_and_with_the_stop_asked_for_exits_80_with_a_checkpoint(tmp_path, tiny_data):
+    hook = WebhookReceiver()
+    try:
+        ckpt = tmp_path / "ckpt"
+        args = train_args(tiny_data, ckpt, f"file://{tmp_path}/mlruns", "--eval-every", "5",
+                          "--forecast-band", "0.5", "1.0", "--stop-when-forecast-misses-band", total=40)
+        proc = run_module("x1_pretrain.train", *args, timeout=600, env=cli_env(SLACK_WEBHOOK_URL=hook.url))
+        assert proc.returncode == 80, proc.stderr[-3000:]
+        lines = [ln for ln in proc.stderr.splitlines() if "forecast: " in ln]
+        judged = [ln for ln in lines if "final val loss" in ln]
+        assert judged and lines[0].endswith("needed)")  # too few points first, then a number
+        assert len(hook.posts) == 1 and "band [0.50, 1.00]" in hook.posts[0]["text"]
+        stop_step = int(judged[-1].split("made at step ")[1].split()[0])
+        state = json.loads((ckpt / f"step_{stop_step:08d}" / "trainer_state.json").read_text())
+        assert state["step"] == stop_step < 40
+        assert state["forecast"]["outside"] is True and state["forecast"]["history"][-1]["step"] == stop_step
+        metrics = list(Path(tmp_path / "mlruns").glob("*/*/metrics/forecast_val_loss_high"))
+        assert metrics and metrics[0].read_text().split()[-1] == str(stop_step)
+        assert "forecast-stop" in proc.stderr and "exit 80" in proc.stderr
+    finally:
+        hook.close()
+
+
+def test_a_forecast_band_that_is_not_a_band_exits_2(tmp_path, tiny_data):
+    args = train_args(tiny_data, tmp_path / "ckpt", f"file://{tmp_path}/mlruns", "--forecast-band", "3.5", "3.2")
+    proc = run_module("x1_pretrain.train", *args, timeout=120)
+    assert proc.returncode == 2 and "--forecast-band 3.5 3.2" in proc.stderr
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step_*"))
+
+
+def test_curve_bins_keep_their_means():
+    curve = Curve(bin_width=10)
+    for s in range(1, 31):
+        curve.add_train(s, float(s))
+    steps, losses, counts = curve.train_points()
+    assert counts.tolist() == [9, 10, 10, 1] and math.isclose(losses[1], 14.5)
+
+
+def test_the_manifest_keeps_what_the_forecast_said_at_10_25_50_percent_and_dod_prints_it():
+    from x1_pretrain.dod import check_val_loss
+    from x1_pretrain.forecast import forecast_summary, history_from_series
+
+    value = [(200, 3.60), (400, 3.45), (1000, 3.40), (2400, 3.36)]
+    low = [(s, v - 0.1) for s, v in value]
+    high = [(s, v + 0.1) for s, v in value]
+    summary = forecast_summary(history_from_series(value, low, high), total_steps=5000, final=3.33)
+    assert summary["at"]["10%"]["step"] == 400 and summary["at"]["25%"]["step"] == 1000
+    assert summary["at"]["50%"]["step"] == 2400 and summary["at"]["50%"]["held"] is True
+    assert summary["at"]["10%"]["error"] == pytest.approx(0.12) and summary["at"]["10%"]["held"] is False
+    check = check_val_loss({"final_val_loss": 3.33, "forecast": summary, "predicted_val_loss": 3.35}, (3.2, 3.5))
+    assert check.ok
+    assert "forecast at 10%: 3.450 [3.350, 3.550] (+0.120, missed); 25%: 3.400" in check.reason
+    assert "Chinchilla fit 3.350" in check.reason
+    assert forecast_summary([], 5000, 3.3) is None

@@ -1,0 +1,35 @@
+"""When the final-loss forecast first judges a run, and by what rule: the part of x1_pretrain.forecast
+that `plan` prints, in the standard library alone (plan runs on a laptop without numpy or SciPy).
+"""
+
+from __future__ import annotations
+
+LAW = "lr-annealing"  # the law the trainer forecasts with
+MIN_VAL_POINTS = 2  # evals after the warm-up, at least
+MIN_POINTS = 6  # evals and train bins after the warm-up together, at least
+TRAIN_BINS = 200  # train losses are averaged in bins of total_steps / TRAIN_BINS steps (at least log_every)
+DEFAULT_BAND = (3.20, 3.50)  # the definition of done's final val loss band (dod check 2)
+
+
+def first_judged_step(total_steps: int, warmup_steps: int, eval_every: int, log_every: int) -> int | None:
+    """The first eval with enough points for a forecast (None: never, in this run)."""
+    width = max(total_steps // TRAIN_BINS, log_every, 1)
+    first = max(warmup_steps, 1)
+    for e in [*range(eval_every, total_steps, eval_every), total_steps]:
+        evals = sum(1 for s in {*range(eval_every, e + 1, eval_every), e} if s >= first)
+        bins = max((e - first) // width, 0)
+        if evals >= MIN_VAL_POINTS and evals + bins >= MIN_POINTS:
+            return e
+    return None
+
+
+def rule_text(total_steps: int, warmup_steps: int, eval_every: int, log_every: int,
+              band: tuple[float, float] = DEFAULT_BAND) -> str:
+    """When a run is first judged, and by what rule: what `plan` prints."""
+    first = first_judged_step(total_steps, warmup_steps, eval_every, log_every)
+    when = (f"first at step {first:,} ({first / total_steps:.0%} of the run)" if first else
+            "never in this run (too few evals past the warm-up)")
+    return (f"final-loss forecast: at every eval from the run's own curve, {when}: it needs {MIN_VAL_POINTS} evals "
+            f"past the warm-up and {MIN_POINTS} points in all (law {LAW}, decay term from complete runs). An alert "
+            f"when its interval lies wholly outside --forecast-band (default {band[0]:.2f}-{band[1]:.2f}), once per "
+            "crossing; with --stop-when-forecast-misses-band the run then stops with a checkpoint, exit 80")
