@@ -251,7 +251,8 @@ def test_export_through_a_real_mlflow_server_matches_sqlite_and_hides_credential
     for key in ("seed", "versions", "config_sha256", "config", "end", "final_val_loss", "tokens_seen", "spent_usd",
                 "final_weights", "cluster", "spikes"):
         assert served[key] == local[key], key
-    assert served["mlflow"]["tracking_uri"] == url.replace("http://", "http://***@")
+    # the credentials left the URI for MLflow's own environment variables before any use
+    assert served["mlflow"]["tracking_uri"] == url
     assert (out / "mlflow-run-uri.txt").read_text().startswith(f"{url}/#/experiments/")
     for path in out.iterdir():
         assert password.encode() not in path.read_bytes(), path.name

@@ -81,14 +81,29 @@ class MlflowLogger:
     def set_tags(self, tags: dict[str, str]) -> None:
         self._queue.put(("tags", dict(tags)))
 
+    def persist(self) -> None:
+        """Put what is not yet sent on local disk (the spool) now. Called before each checkpoint:
+        a resumed run starts after the checkpoint and never logs those steps again, so a kill
+        between the checkpoint and the next network flush must not lose them."""
+        self._drain_queue()
+        if self._pending or self._pending_tags:
+            self._write_spool()
+
     def close(self, status: str, timeout: float) -> bool:
-        """Flush for at most `timeout` seconds; spool what is left. True when everything was sent."""
+        """Flush for at most `timeout` seconds; spool what is left. True when everything was sent.
+
+        What is unsent goes to the spool on local disk first: a preemption may kill the process
+        (SIGKILL after a grace of seconds) in the middle of the network flush below, and the steps
+        logged since the last flush must reach MLflow from the next start all the same."""
         self._queue.put(("status", status))
+        self.persist()
         self._stop.set()
         self._thread.join(timeout=timeout)
         self._drain_queue()
         sent = not self._pending and not self._pending_tags and self._status is None
-        if not sent:
+        if sent:
+            self._spool.unlink(missing_ok=True)
+        else:
             self._write_spool()
             log.warning("MLflow unreachable at exit: %d metrics spooled to %s; the next start of this run sends them",
                         len(self._pending), self._spool)
@@ -188,8 +203,9 @@ class MlflowLogger:
         if self._status is not None:
             client.set_terminated(self.run_id, status=self._status)
             self._status = None
-        if self._spool.exists():
-            self._spool.unlink()
+        with self._lock:  # close() may be spooling newer metrics at this moment: keep that spool
+            if not self._pending and not self._pending_tags:
+                self._spool.unlink(missing_ok=True)
 
     # -- the spool: metrics that outlived their process --
 
@@ -307,6 +323,9 @@ class MetricsSink:
     def tags(self, tags: dict[str, str]) -> None:
         self.mlflow.set_tags(tags)
 
+    def persist(self) -> None:
+        self.mlflow.persist()
+
     def close(self, status: str, timeout: float) -> None:
         self.mlflow.close(status, timeout)
 
@@ -325,6 +344,9 @@ class NullSink:
         pass
 
     def tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def persist(self) -> None:
         pass
 
     def close(self, status: str, timeout: float) -> None:

@@ -635,6 +635,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         run.state.rng = capture_rng()
         run.state.mlflow_run_id = run.sink.run_id or run.state.mlflow_run_id
         run.state.micro_batch_size = run.micro_batch
+        run.sink.persist()  # the steps this checkpoint covers are never logged again after a resume
         seconds = run.checkpointer.save(step, model_state, optim_state, run.state)
         run.sink.prom.ckpt_step.set(step)
         run.sink.prom.ckpt_seconds.set(seconds)
