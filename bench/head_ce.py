@@ -56,7 +56,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("head_ce: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from x1_pretrain import losses
+    from x1_pretrain.ops import losses
 
     torch.manual_seed(0)
     logits = (torch.randn(N, VP, device="cuda") * 3).bfloat16()

@@ -279,9 +279,9 @@ def prepare_export(args: argparse.Namespace, workdir: Path) -> tuple[Path, str]:
             raise UsageError(f"--export {export_dir}: no config.json + model.safetensors (make one with x1_pretrain.hf_export)")
         return export_dir, f"export {export_dir}"
     try:
-        from x1_pretrain import hf_export
         from x1_pretrain.config import ConfigError, load_config
-        from x1_pretrain.model import Transformer
+        from x1_pretrain.model.transformer import Transformer
+        from x1_pretrain.run import hf_export
     except ImportError as e:
         raise UsageError(f"building an export needs the trainer's packages ({e}); pass --export DIR instead") from None
     out = workdir / "export"

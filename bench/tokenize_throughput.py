@@ -74,7 +74,7 @@ def read_texts(files: list[Path]) -> list[str]:
 
 def raw_rates(texts: list[str], trials: int) -> dict[str, float]:
     """Tokens per CPU-second of the raw encoder on texts in memory, three ways, best of `trials`."""
-    from x1_pretrain.tokenizer import encode_document_array, gpt2_encoding
+    from x1_pretrain.data.tokenizer import encode_document_array, gpt2_encoding
 
     enc = gpt2_encoding()
     ways = {

@@ -62,9 +62,9 @@ VARIANTS: dict[str, dict] = {
     "padded": {"sets": ["train.kernels=torch"]},
     "shipped": {"sets": []},  # the config as shipped: padded vocab + our CE, RoPE and SwiGLU kernels
     "sm80": {"sets": ["train.gpu_arch=sm80"]},  # the levers an A100 gets, on whatever GPU runs it
-    "fused-ce": {"patch": {"x1_pretrain.model.FUSED_ROPE": False, "x1_pretrain.model.FUSED_SWIGLU": False}},
-    "no-rope-kernel": {"patch": {"x1_pretrain.model.FUSED_ROPE": False}},
-    "no-swiglu-kernel": {"patch": {"x1_pretrain.model.FUSED_SWIGLU": False}},
+    "fused-ce": {"patch": {"x1_pretrain.model.transformer.FUSED_ROPE": False, "x1_pretrain.model.transformer.FUSED_SWIGLU": False}},
+    "no-rope-kernel": {"patch": {"x1_pretrain.model.transformer.FUSED_ROPE": False}},
+    "no-swiglu-kernel": {"patch": {"x1_pretrain.model.transformer.FUSED_SWIGLU": False}},
     "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},
     "sdpa-flash": {"sets": [], "sdpa": "flash"},
     "sdpa-efficient": {"sets": [], "sdpa": "efficient"},
@@ -78,10 +78,10 @@ VARIANTS: dict[str, dict] = {
     "eager": {"sets": ["train.compile=false"]},
     "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
     "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
-    "ce-bwd-8k": {"patch": {"x1_pretrain.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
+    "ce-bwd-8k": {"patch": {"x1_pretrain.ops.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
     "cublaslt": {"blas": "cublaslt"},
-    "no-head-grad": {"patch": {"x1_pretrain.model.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
-    "no-norm-fold": {"patch": {"x1_pretrain.model.FOLD_NORMS": False}},  # the norms written out, as before call 35
+    "no-head-grad": {"patch": {"x1_pretrain.model.transformer.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
+    "no-norm-fold": {"patch": {"x1_pretrain.model.transformer.FOLD_NORMS": False}},  # the norms written out, as before call 35
     # autocast's casts and autograd's accumulation, as before call 43
     "casts-per-micro-step": {"sets": ["train.weight_casts=per-micro-step", "train.grad_accumulation=autograd"]},
     "grad-by-autograd": {"sets": ["train.grad_accumulation=autograd"]},  # as from call 43 to call 46
@@ -91,7 +91,7 @@ VARIANTS: dict[str, dict] = {
     "float8-rowwise": {"sets": ["train.float8=rowwise"]},
     # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding
     # parameters): where float8's saving in the matmuls can outgrow its casts. Not the reference's model.
-    "ce-two-exp": {"patch": {"x1_pretrain.losses.MAX_FIRST": False}},  # the loss kernel before call 54
+    "ce-two-exp": {"patch": {"x1_pretrain.ops.losses.MAX_FIRST": False}},  # the loss kernel before call 54
     "untuned-matmuls": {"sets": ["train.cublaslt=off"]},  # cuBLAS's first algorithm, always
     "wide": {"sets": ["model.d_model=2048", "model.n_head=16", "model.n_kv_head=4", "model.d_ff=5632",
                       "model.n_layer=4", "train.micro_batch_size=16"]},
@@ -227,7 +227,7 @@ def main() -> int:
         args.name = args.variant if args.name == "ours" else args.name
 
     from x1_common.fsutil import write_json_atomic
-    from x1_pretrain import train as T
+    from x1_pretrain.train import loop as T
 
     for item in args.patch:
         dotted, _, value = item.partition("=")
@@ -338,7 +338,7 @@ def main() -> int:
     }
     result["world_size"] = run.dist.world_size
     if cfg.train.grad_accumulation == "in-matmul":  # which path kernels.wgrad_accumulate took here
-        from x1_pretrain.kernels import addmm_into_fp32
+        from x1_pretrain.ops.kernels import addmm_into_fp32
 
         result["wgrad_added_by_matmul"] = addmm_into_fp32(run.dist.device)
     if not run.dist.is_main:

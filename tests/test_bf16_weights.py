@@ -11,7 +11,7 @@ from conftest import TINY_CONFIG, run_module, train_args
 
 def tiny_model(kernels: bool):
     from x1_pretrain.config import load_config
-    from x1_pretrain.model import Transformer
+    from x1_pretrain.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(load_config(TINY_CONFIG, []).model)
@@ -49,7 +49,7 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["plain-path", "norms-folded"])
 def test_the_step_copies_give_autocasts_loss_and_gradients_bit_for_bit(kernels):
-    from x1_pretrain.model import Bf16Weights
+    from x1_pretrain.model.transformer import Bf16Weights
 
     model = tiny_model(kernels)
     assert all(b.folds_norms() == kernels for b in model.layers)
@@ -62,7 +62,7 @@ def test_the_step_copies_give_autocasts_loss_and_gradients_bit_for_bit(kernels):
 
 
 def test_refresh_takes_the_weights_as_the_optimizer_step_left_them():
-    from x1_pretrain.model import Bf16Weights
+    from x1_pretrain.model.transformer import Bf16Weights
 
     model = tiny_model(True)
     copies = Bf16Weights(model)
@@ -78,7 +78,7 @@ def test_refresh_takes_the_weights_as_the_optimizer_step_left_them():
 
 
 def test_a_block_given_copies_for_the_other_path_finds_none():
-    from x1_pretrain.model import Bf16Weights
+    from x1_pretrain.model.transformer import Bf16Weights
 
     model = tiny_model(False)
     copies = Bf16Weights(model).refresh()  # unfolded copies
@@ -116,9 +116,9 @@ def test_a_bf16_run_trains_the_same_weights_with_copies_per_step_as_with_autocas
 ], ids=["bf16-one-process", "asked-per-micro-step", "fp32", "float8", "cuda-graphs", "two-processes"])
 def test_the_trainer_takes_copies_only_where_they_replace_autocasts_casts_exactly(sets, world_size, takes_copies):
     from x1_pretrain.config import load_config
-    from x1_pretrain.distributed import Dist
-    from x1_pretrain.model import Bf16Weights, Transformer
-    from x1_pretrain.train import bf16_weights
+    from x1_pretrain.model.transformer import Bf16Weights, Transformer
+    from x1_pretrain.train.distributed import Dist
+    from x1_pretrain.train.loop import bf16_weights
 
     cfg = load_config(TINY_CONFIG, sets)
     dist = Dist(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
@@ -148,7 +148,7 @@ def test_gradients_added_in_their_matmuls_are_as_close_to_fp32_as_autograds(kern
     # the bf16 rounding of each micro-step's part, so it may be closer, never farther (5% slack for
     # the forward's own bf16 noise). A wrong split of a folded product's gradient into its weight's
     # and its norm's would be off by ~100%.
-    from x1_pretrain.model import Bf16Weights
+    from x1_pretrain.model.transformer import Bf16Weights
 
     model = tiny_model(kernels)
     batches = [batch(10 + i) for i in range(3)]
@@ -164,7 +164,7 @@ def test_gradients_added_in_their_matmuls_are_as_close_to_fp32_as_autograds(kern
 
 
 def test_a_step_that_accumulates_in_the_matmuls_leaves_no_gradient_from_the_step_before():
-    from x1_pretrain.model import Bf16Weights
+    from x1_pretrain.model.transformer import Bf16Weights
 
     model = tiny_model(True)
     copies = Bf16Weights(model, accumulate=True)
@@ -188,8 +188,8 @@ def test_a_bf16_run_that_accumulates_in_the_matmuls_learns_what_autograds_run_le
     from safetensors.torch import load_file
 
     from x1_pretrain.config import load_config
-    from x1_pretrain.data import open_token_data
-    from x1_pretrain.model import Transformer
+    from x1_pretrain.data.loader import open_token_data
+    from x1_pretrain.model.transformer import Transformer
 
     cfg = load_config(TINY_CONFIG, [])
     val = torch.from_numpy(open_token_data(tiny_data, cfg.model.vocab_size).val[: 8 * 65].astype("int64")).view(8, 65)

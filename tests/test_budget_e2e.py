@@ -159,7 +159,7 @@ def checkpoint_files(ckpt: Path) -> dict[str, tuple[int, int]]:
 
 def verified_latest(ckpt: Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint `latest` points at, checked the way a resume checks it; and its trainer state."""
-    from x1_pretrain.checkpoint import Checkpointer
+    from x1_pretrain.checkpoint.store import Checkpointer
     from x1_pretrain.config import load_config
 
     path = ckpt / (ckpt / "latest").read_text().strip()
@@ -509,7 +509,7 @@ def env_example_value(name: str) -> str:
 
 def a100_args(data: Path, root: Path, uri: Path, total: int, ckpt: str = "ckpt") -> list[str]:
     """The lab's 50M config as compose runs it, on this CPU: refused or accepted before the model is built."""
-    from x1_pretrain.accounting import tokens_per_sec_table
+    from x1_pretrain.train.accounting import tokens_per_sec_table
 
     args = guarded_args(data, root, uri, "--set", "train.device=cpu", "--set", "train.compile=false",
                         # plan's figure for an A100 80GB, stated: a CPU has none of its own
@@ -533,7 +533,7 @@ def test_the_default_env_total_steps_on_an_a100_priced_instance_are_refused_at_l
     t = started(Trainer(a100_args(tiny_data, tmp_path, sidecar.output, total), tmp_path, env=trainer_env()))
     assert t.wait() == 78, t.text()[-3000:]
     refusal = budget_lines(t, "launch refused")[0]
-    from x1_pretrain.accounting import fmt_count, tokens_per_sec_table
+    from x1_pretrain.train.accounting import fmt_count, tokens_per_sec_table
 
     a100 = fmt_count(tokens_per_sec_table()["a100-80gb"].tokens_per_sec)
     assert f"(plan: {a100} tokens/s" in refusal and own_usd(refusal) > 50  # ~45 h at $1.10/h

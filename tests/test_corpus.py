@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from conftest import run_module
-from x1_pretrain.corpus import Document, module_document, write_corpus
+from x1_pretrain.data.corpus import Document, module_document, write_corpus
 
 FINEWEB_EDU_COLUMNS = ["text", "id", "dump", "url", "file_path", "language", "language_score", "token_count",
                        "score", "int_score"]

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from x1_pretrain import cublaslt, losses
+from x1_pretrain.ops import cublaslt, losses
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt needs a CUDA GPU")
 
@@ -198,7 +198,7 @@ def test_tuning_without_pytorchs_fp32_addmm_times_only_cublaslts_candidates(monk
 
 @CUDA
 def test_a_layers_matmul_and_its_weight_gradient_through_the_tuned_path_match_pytorchs():
-    from x1_pretrain.kernels import wgrad_accumulate
+    from x1_pretrain.ops.kernels import wgrad_accumulate
 
     torch.manual_seed(4)
     x = torch.randn(4, 512, 768, device="cuda").bfloat16()
@@ -218,7 +218,7 @@ def test_a_layers_matmul_and_its_weight_gradient_through_the_tuned_path_match_py
 def test_a_second_process_runs_the_algorithms_the_first_chose_without_timing_them(tmp_path):
     script = """
 import json, sys, torch
-from x1_pretrain import cublaslt
+from x1_pretrain.ops import cublaslt
 torch.manual_seed(0)
 a = torch.randn(4096, 768, device="cuda").bfloat16()
 b = torch.randn(2304, 768, device="cuda").bfloat16().t()

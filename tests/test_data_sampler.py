@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, cli_env
-from x1_pretrain.data import (
+from x1_pretrain.data.loader import (
     CHECK_CACHE,
     DataError,
     Prefetcher,
@@ -110,7 +110,7 @@ def test_micro_batch_indices_count_samples_across_micro_steps_and_ranks():
 
 _FRESH = """
 import hashlib, sys, numpy as np
-from x1_pretrain.data import WindowSampler, open_token_data
+from x1_pretrain.data.loader import WindowSampler, open_token_data
 data = open_token_data(sys.argv[1], 50257)
 w = WindowSampler(data.train, 64, 42, 16).windows(7, [3, 11, 0])
 print(hashlib.sha256(w.tobytes()).hexdigest())

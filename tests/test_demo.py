@@ -147,7 +147,7 @@ def test_demo_runs_the_stack_through_a_preemption_and_passes_every_dod_check(tmp
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["end"] == "finished" and 0 < manifest["spent_usd"] <= 35
     # The demo's band everywhere: the manifest (and the plots drawn from it) and the dod that passed.
-    from x1_pretrain.demo import BAND
+    from x1_pretrain.stack.demo import BAND
 
     assert manifest["loss_curve_band"] == list(BAND) and dod["band"] == list(BAND), (manifest, dod)
     assert f"finish (export_run, post-mortem, dod with the band {BAND[0]:g}-{BAND[1]:g}): exit 0" in text
@@ -213,8 +213,8 @@ def test_demo_exits_nonzero_when_a_step_fails(spiked_run, tmp_path):
     """The demo's last steps: `finish` (the run folder with the demo's band) and `dod`. A failing
     `finish` (here: no MLflow server where the run's metrics should be) fails the demo even though
     `dod`, on the folder the trainer left, passes."""
-    from x1_pretrain.demo import Console, OneShots, finish_run
-    from x1_pretrain.stack import Workspace
+    from x1_pretrain.stack.demo import Console, OneShots, finish_run
+    from x1_pretrain.stack.runner import Workspace
 
     ws = Workspace(tmp_path / "ws")
     ws.logs.mkdir(parents=True)

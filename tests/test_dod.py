@@ -13,7 +13,7 @@ from PIL import Image
 from test_export_run import SpikedRun, flip_byte, spiked_run
 
 from conftest import run_module
-from x1_pretrain import dod
+from x1_pretrain.run import dod
 
 __all__ = ["spiked_run"]  # the shared session fixture, imported so pytest finds it here
 

@@ -27,7 +27,7 @@ from PIL import Image
 from conftest import cli_env, free_port, run_module, train_args
 from x1_common.contracts import BudgetReading, utc_now
 from x1_common.fsutil import sha256_file
-from x1_pretrain.stack import mlflow_server, wait_until
+from x1_pretrain.stack.runner import mlflow_server, wait_until
 
 SPIKE_AT = 50
 TOTAL_STEPS = 70
@@ -167,7 +167,7 @@ def flip_byte(path: Path) -> None:
 
 
 def export_main(*args: str) -> int:
-    from x1_pretrain import export_run
+    from x1_pretrain.run import export as export_run
 
     return export_run.main(list(args))
 
@@ -192,7 +192,7 @@ def test_export_writes_every_artifact_and_each_is_valid(spiked_run: SpikedRun) -
     assert {"loss", "val_loss", "grad_norm", "param_norm", "tokens_per_sec", "lr", "spike_injected"} <= names
 
     # final.safetensors: the trainer's final weights, as recorded, and it round-trips.
-    from x1_pretrain.weights import load_weights, weights_bytes
+    from x1_pretrain.checkpoint.weights import load_weights, weights_bytes
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     final = run_dir / "final.safetensors"
@@ -365,7 +365,7 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(spiked_run: Spi
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
-    from x1_pretrain import export_run
+    from x1_pretrain.run import export as export_run
 
     monkeypatch.setattr(export_run, "CONNECT_DELAYS_S", (0.2,))
     empty_db = tmp_path / "empty.db"
@@ -441,7 +441,7 @@ def test_the_predicted_val_loss_is_never_worse_than_a_uniform_guess(spiked_run: 
     assert manifest["predicted_val_loss"] == round(uniform, 4) and basis["in_fit_range"] is False
     assert "worse than a uniform guess" in basis["note"] and "outside the fit's" in basis["note"]
     assert manifest["planned_val_loss"]["value"] <= uniform
-    from x1_pretrain.accounting import chinchilla_loss, predicted_loss
+    from x1_pretrain.train.accounting import chinchilla_loss, predicted_loss
 
     seed = predicted_loss(88.9e6, 84_000 * 524_288, 50257)  # the lab's 50M run: inside the fit, unchanged
     assert seed.in_fit_range and seed.note is None and seed.value == chinchilla_loss(88.9e6, 84_000 * 524_288) < 3.5
@@ -498,7 +498,7 @@ def test_restart_cost_with_events_is_the_exit_to_the_relaunched_first_step_and_a
 
 
 def test_the_throughput_plot_breaks_its_line_at_each_restart() -> None:
-    from x1_pretrain.export_run import _gaps, _segments
+    from x1_pretrain.run.export import _gaps, _segments
 
     tps = [(10, 100.0), (20, 110.0), (30, 120.0), (40, 90.0), (50, 95.0)]
     wall = [(10, 0.1), (20, 0.2), (30, 0.3), (40, 0.5), (50, 0.6)]

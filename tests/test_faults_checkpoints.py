@@ -30,9 +30,8 @@ from hypothesis import strategies as st
 
 from conftest import REPO, TINY_CONFIG, cli_env, run_module, start_trainer, train_args
 from x1_common.contracts import ExitCode, Heartbeat
-from x1_pretrain import checkpoint as ckpt_mod
-from x1_pretrain import distributed as D
-from x1_pretrain.checkpoint import (
+from x1_pretrain.checkpoint import store as ckpt_mod
+from x1_pretrain.checkpoint.store import (
     MARKER,
     MODEL_FILE,
     OPTIM_FILE,
@@ -42,11 +41,12 @@ from x1_pretrain.checkpoint import (
     TrainerState,
     capture_rng,
 )
+from x1_pretrain.checkpoint.weights import resolve_weights_path
 from x1_pretrain.config import ConfigError, load_config
-from x1_pretrain.export_run import ExportError, choose_weights
-from x1_pretrain.model import Transformer
-from x1_pretrain.train import DataOrConfigError, resume_point
-from x1_pretrain.weights import resolve_weights_path
+from x1_pretrain.model.transformer import Transformer
+from x1_pretrain.run.export import ExportError, choose_weights
+from x1_pretrain.train import distributed as D
+from x1_pretrain.train.loop import DataOrConfigError, resume_point
 
 STEPS = (10, 20, 30)
 # The tiny config with a small vocabulary: checkpoints of ~0.5 MB, so that a hundred cases copy fast.

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from conftest import TINY_CONFIG, run_module, train_args
-from x1_pretrain import tokenize_data
-from x1_pretrain.checkpoint import Checkpointer, TrainerState, capture_rng
+from x1_pretrain.checkpoint.store import Checkpointer, TrainerState, capture_rng
 from x1_pretrain.config import ConfigError, RunConfig, load_config
-from x1_pretrain.model import Transformer
+from x1_pretrain.data import tokenize as tokenize_data
+from x1_pretrain.model.transformer import Transformer
 
 # ---- every numeric field is finite --------------------------------------------------------------------
 

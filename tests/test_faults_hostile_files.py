@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_CONFIG, cli_env, run_module, train_args
-from x1_pretrain.checkpoint import (
+from x1_pretrain.checkpoint.store import (
     FINAL_OPTIM,
     MARKER,
     MODEL_FILE,
@@ -95,11 +95,12 @@ def resume_args(root: Path, data: Path) -> list[str]:
 def read_all(root: Path, data: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, tuple[int, str]]:
     """What every reader of a checkpoint dir makes of `root`: (exit code, what it printed). The
     trainer's resume is its own `resume_point` with this run's config; the tools are their `main`."""
-    from x1_pretrain import export_run, hf_export, sample
-    from x1_pretrain.checkpoint import Checkpointer
+    from x1_pretrain.checkpoint.store import Checkpointer
     from x1_pretrain.config import load_config
-    from x1_pretrain.distributed import Dist
-    from x1_pretrain.train import DataOrConfigError, resume_point
+    from x1_pretrain.run import export as export_run
+    from x1_pretrain.run import hf_export, sample
+    from x1_pretrain.train.distributed import Dist
+    from x1_pretrain.train.loop import DataOrConfigError, resume_point
 
     ckpt = root / "ckpt"
     out.mkdir(exist_ok=True)
@@ -201,7 +202,8 @@ def test_dod_never_unpickles_the_weights_it_checks(run_copy: Path, tmp_path: Pat
     """The DoD's round trip reads a run folder's final.safetensors: pickle bytes there, vouched for
     by the manifest's sha256, fail check 3 naming the file; nothing runs."""
     marker = tmp_path / MARKER_NAME
-    from x1_pretrain import dod, export_run
+    from x1_pretrain.run import dod
+    from x1_pretrain.run import export as export_run
 
     out = tmp_path / "export"
     assert export_run.main(["--mlflow-uri", f"file://{run_copy}/mlruns", "--ckpt-dir", str(run_copy / "ckpt"),

@@ -34,8 +34,8 @@ from x1_common.contracts import (
     read_json_file,
 )
 from x1_common.providers import BILLING_STATUSES, ProviderError, parse_lambda_instance, parse_runpod_pod
-from x1_pretrain.budget_guard import BudgetGuard, ReadError, read_source
 from x1_pretrain.config import BudgetConfig
+from x1_pretrain.train.budget_guard import BudgetGuard, ReadError, read_source
 from x1_watchdog.policy import RestartPolicy, StallDetector
 from x1_watchdog.records import StateError, StateStore, read_events
 
@@ -488,7 +488,7 @@ def test_a_sidecar_restarted_on_a_damaged_ledger_keeps_what_budget_json_publishe
 def test_the_files_an_earlier_trainer_left_are_read_or_ignored_never_a_crash(tmp_path: Path, data: bytes) -> None:
     from conftest import TINY_CONFIG
     from x1_pretrain.config import load_config
-    from x1_pretrain.train import compile_choice, earlier_start
+    from x1_pretrain.train.loop import compile_choice, earlier_start
 
     ckpt = tmp_path / "ck"
     ckpt.mkdir(exist_ok=True)

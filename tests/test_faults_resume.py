@@ -28,11 +28,11 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_CONFIG, cli_env, run_module, train_args, wait_for
-from x1_pretrain import data as data_mod
-from x1_pretrain.checkpoint import MARKER, OPTIM_FILE
+from x1_pretrain.checkpoint.store import MARKER, OPTIM_FILE
 from x1_pretrain.config import load_config
-from x1_pretrain.data import CHECK_CACHE, DataError, open_token_data
-from x1_pretrain.model import Transformer
+from x1_pretrain.data import loader as data_mod
+from x1_pretrain.data.loader import CHECK_CACHE, DataError, open_token_data
+from x1_pretrain.model.transformer import Transformer
 
 VOCAB = 50257  # the tiny config's vocab_size: ids from 50257 up index past the embedding's real rows
 
@@ -256,7 +256,7 @@ def step_folders(ckpt: Path) -> dict[str, str]:
 def mlflow_runs(uri: str) -> list:
     from mlflow.tracking import MlflowClient
 
-    import x1_pretrain.tracking  # noqa: F401 - lets MLflow's client read the file store, as the trainer does
+    import x1_pretrain.train.tracking  # noqa: F401 - lets MLflow's client read the file store, as the trainer does
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("x1-pretraining")

@@ -16,7 +16,7 @@ import torch
 from conftest import CONFIGS, REPO, TINY_CONFIG, cli_env, run_module, train_args
 from x1_pretrain import float8
 from x1_pretrain.config import ConfigError, load_config
-from x1_pretrain.model import Transformer
+from x1_pretrain.model.transformer import Transformer
 
 pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -121,7 +121,7 @@ def test_parity_verdict_fails_when_either_final_loss_moves_more_than_the_toleran
 
 
 def test_parity_benchmark_trains_both_runs_and_the_float8_weights_load_as_a_plain_model(tmp_path, tiny_data, parity, capsys):
-    from x1_pretrain.weights import model_from_weights
+    from x1_pretrain.checkpoint.weights import model_from_weights
 
     out = tmp_path / "parity"
     code = parity.main(["--config", str(TINY_CONFIG), "--data-dir", str(tiny_data), "--out", str(out), "--steps", "12",

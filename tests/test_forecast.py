@@ -15,9 +15,9 @@ from conftest import cli_env, run_module, train_args
 from receivers import WebhookReceiver
 from x1_common.alerts import AlertSender
 from x1_common.contracts import FINAL_EXIT_CODES, ExitCode, should_relaunch
-from x1_pretrain.budget_guard import Projection
-from x1_pretrain.checkpoint import TrainerState
-from x1_pretrain.forecast import (
+from x1_pretrain.checkpoint.store import TrainerState
+from x1_pretrain.train.budget_guard import Projection
+from x1_pretrain.train.forecast import (
     Curve,
     ForecastError,
     ForecastWatch,
@@ -27,8 +27,8 @@ from x1_pretrain.forecast import (
     fit_power,
     forecast,
 )
-from x1_pretrain.forecast_rule import first_judged_step
-from x1_pretrain.tracking import NullSink
+from x1_pretrain.train.forecast_rule import first_judged_step
+from x1_pretrain.train.tracking import NullSink
 
 SCHEDULE = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=100, total_steps=5000)
 MEMORY, C_TRUE = 0.1, 2.0
@@ -246,8 +246,8 @@ def test_curve_bins_keep_their_means():
 
 
 def test_the_manifest_keeps_what_the_forecast_said_at_10_25_50_percent_and_dod_prints_it():
-    from x1_pretrain.dod import check_val_loss
-    from x1_pretrain.forecast import forecast_summary, history_from_series
+    from x1_pretrain.run.dod import check_val_loss
+    from x1_pretrain.train.forecast import forecast_summary, history_from_series
 
     value = [(200, 3.60), (400, 3.45), (1000, 3.40), (2400, 3.36)]
     low = [(s, v - 0.1) for s, v in value]

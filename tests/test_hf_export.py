@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 
 from conftest import CONFIGS, TINY_CONFIG, run_module
-from x1_pretrain import hf_export
+from x1_pretrain.checkpoint.weights import save_weights
 from x1_pretrain.config import load_config
-from x1_pretrain.model import Transformer
-from x1_pretrain.sample import generate
-from x1_pretrain.tokenizer import EOT_TOKEN, gpt2_encoding
-from x1_pretrain.weights import save_weights
+from x1_pretrain.data.tokenizer import EOT_TOKEN, gpt2_encoding
+from x1_pretrain.model.transformer import Transformer
+from x1_pretrain.run import hf_export
+from x1_pretrain.run.sample import generate
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from x1_pretrain.kernels import normed_linear, rope_qkv, swiglu
-from x1_pretrain.model import RMSNorm, apply_rope, rope_tables
+from x1_pretrain.model.transformer import RMSNorm, apply_rope, rope_tables
+from x1_pretrain.ops.kernels import normed_linear, rope_qkv, swiglu
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -79,7 +79,7 @@ def test_swiglu_op_matches_silu_times_up_and_its_gradient(device, scaled):
 def test_model_with_our_kernels_computes_the_same_loss_and_gradients(device):
     from conftest import TINY_CONFIG
     from x1_pretrain.config import load_config
-    from x1_pretrain.model import Transformer
+    from x1_pretrain.model.transformer import Transformer
 
     torch.manual_seed(2)
     model = Transformer(load_config(TINY_CONFIG).model).to(device)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from x1_pretrain import losses
-from x1_pretrain.kernels import INTERPRET
-from x1_pretrain.losses import _HeadLoss, fused_available, fused_cross_entropy, head_cross_entropy
+from x1_pretrain.ops import losses
+from x1_pretrain.ops.kernels import INTERPRET
+from x1_pretrain.ops.losses import _HeadLoss, fused_available, fused_cross_entropy, head_cross_entropy
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -97,7 +97,7 @@ def test_the_head_functions_backward_scales_each_row_by_its_own_loss_gradient(de
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA GPU")
 @pytest.mark.parametrize("max_first", [False, True])
 def test_the_forward_and_gradient_kernel_on_bf16_logits_matches_the_two_kernels_it_replaces(max_first, monkeypatch):
-    from x1_pretrain.losses import ce_bwd, ce_fwd, ce_fwd_grad
+    from x1_pretrain.ops.losses import ce_bwd, ce_fwd, ce_fwd_grad
 
     monkeypatch.setattr(losses, "MAX_FIRST", max_first)
     torch.manual_seed(5)
@@ -119,7 +119,7 @@ def test_the_max_first_kernels_gradient_is_softmax_minus_onehot_once_scaled_and_
     # Unnormalised e = exp(x - max) is written, the target's column e_t - sum(e), with 1 / sum(e)
     # per row returned; scaled back it is the plain gradient. Sorted rows (the max last or first)
     # and a row whose target is its max pin the max pass and the target's fix-up.
-    from x1_pretrain.losses import ce_fwd_grad
+    from x1_pretrain.ops.losses import ce_fwd_grad
 
     monkeypatch.setattr(losses, "MAX_FIRST", True)
     torch.manual_seed(7)
@@ -141,7 +141,7 @@ def test_the_max_first_kernels_gradient_is_softmax_minus_onehot_once_scaled_and_
 def test_model_loss_is_the_same_with_the_fused_path():
     from conftest import TINY_CONFIG
     from x1_pretrain.config import load_config
-    from x1_pretrain.model import Transformer
+    from x1_pretrain.model.transformer import Transformer
 
     torch.manual_seed(2)
     model = Transformer(load_config(TINY_CONFIG).model)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import CONFIGS, TINY_CONFIG
-from x1_pretrain.accounting import flops_per_token, param_counts
 from x1_pretrain.config import load_config
-from x1_pretrain.model import Attention, Transformer, apply_rope, rope_tables
+from x1_pretrain.model.transformer import Attention, Transformer, apply_rope, rope_tables
+from x1_pretrain.train.accounting import flops_per_token, param_counts
 
 
 def tiny(**sets):

@@ -33,7 +33,7 @@ from promql_names import (
 
 from conftest import REPO, cli_env, run_module
 from x1_common import contracts as C
-from x1_pretrain.stack import (
+from x1_pretrain.stack.runner import (
     Ports,
     Service,
     Workspace,

@@ -26,7 +26,7 @@ from multinode_cluster import PREFIX, SHARED, Cluster
 
 from conftest import REPO, cli_env, run_module, wait_for
 from conftest import train_args as one_host_train_args
-from x1_pretrain.weights import load_weights
+from x1_pretrain.checkpoint.weights import load_weights
 
 pytestmark = pytest.mark.slow
 
@@ -290,7 +290,7 @@ def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rd
     shared filesystem."""
     import shlex
 
-    from x1_pretrain.train import build_parser
+    from x1_pretrain.train.loop import build_parser
 
     if docker_problem() is not None and os.environ.get("CI") != "true":
         pytest.skip(docker_problem())

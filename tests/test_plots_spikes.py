@@ -3,7 +3,7 @@ log steps' (every 10th): the spike's own norm is what the post-mortem reads."""
 
 from __future__ import annotations
 
-from x1_pretrain import plots
+from x1_pretrain.run import plots
 
 
 def test_gradnorm_curve_includes_injected_and_flagged_spike_steps_grad_norms(tmp_path, monkeypatch) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from test_export_run import SPIKE_AT, TOTAL_STEPS, SpikedRun, assert_png, mlflow_histories, new_run, spiked_run
 
-from x1_pretrain import postmortem
-from x1_pretrain.dod import check_postmortem
+from x1_pretrain.run import postmortem
+from x1_pretrain.run.dod import check_postmortem
 
 __all__ = ["spiked_run"]  # the shared session fixture, imported so pytest finds it here
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
-from x1_pretrain.preflight import INSTANCE_SPEC, warnings_for
+from x1_pretrain.train.preflight import INSTANCE_SPEC, warnings_for
 
 
 def host(**over: object) -> dict[str, object]:

@@ -11,8 +11,8 @@ import pytest
 from huggingface_hub.errors import HfHubHTTPError
 
 from conftest import run_module
-from x1_pretrain import prepare
-from x1_pretrain.prepare import FINEWEB_EDU, PILE_CC, Source, check_shards
+from x1_pretrain.data import prepare
+from x1_pretrain.data.prepare import FINEWEB_EDU, PILE_CC, Source, check_shards
 
 TOKEN = "hf_notARealTokenButLongEnough123"
 

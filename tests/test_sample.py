@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, run_module
-from x1_pretrain import sample
+from x1_pretrain.checkpoint.weights import save_weights
 from x1_pretrain.config import load_config
-from x1_pretrain.model import Transformer
-from x1_pretrain.sample import generate, sample_next
-from x1_pretrain.tokenizer import EOT_TOKEN, encode_document, gpt2_encoding
-from x1_pretrain.weights import save_weights
+from x1_pretrain.data.tokenizer import EOT_TOKEN, encode_document, gpt2_encoding
+from x1_pretrain.model.transformer import Transformer
+from x1_pretrain.run import sample
+from x1_pretrain.run.sample import generate, sample_next
 
 PROMPT = [EOT_TOKEN, *encode_document("Once upon a time")]
 

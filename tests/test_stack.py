@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env, free_port, run_module, wait_for
-from x1_pretrain import lease as L
-from x1_pretrain import stack as stack_mod
+from x1_pretrain.stack import runner as stack_mod
+from x1_pretrain.train import lease as L
 
 PROMETHEUS = shutil.which("prometheus")
 TOTAL_STEPS = 40

@@ -22,7 +22,7 @@ import yaml
 from test_static_checks import interpolate_all as interpolate  # compose's ${VAR...} over a parsed document
 
 from conftest import REPO
-from x1_common import services as S
+from x1_pretrain.stack import services as S
 
 COMPOSE_FILE = REPO / "compose.yaml"
 ENV_EXAMPLE = REPO / ".env.example"

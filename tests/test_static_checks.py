@@ -337,7 +337,7 @@ def test_trainer_command_is_the_seeds_and_the_trainer_accepts_it(compose):
                  "--eval-every=1800", "--log-every=10", "--resume-from-latest", "--budget-cap-usd=35",
                  "--budget-curr-cost-uri=/workspace/budget.json", "--heartbeat-file=/workspace/logs/heartbeat.json"):
         assert flag in command
-    from x1_pretrain.train import build_parser, config_from_args
+    from x1_pretrain.train.loop import build_parser, config_from_args
 
     args = build_parser().parse_args(command[1:])
     cfg = config_from_args(args)  # the config file inside the image, with the lab's overrides
@@ -396,7 +396,7 @@ def test_watchdog_command_is_accepted_and_terminates_only_when_asked(raw_compose
 def test_prepare_command_is_accepted(compose):
     command = compose["services"]["prepare"]["command"]
     assert command[:3] == ["python", "-m", "x1_pretrain.prepare"]
-    from x1_pretrain.prepare import parse_args
+    from x1_pretrain.data.prepare import parse_args
 
     args = parse_args(command[3:])
     assert (str(args.output_dir), args.source, args.max_shards, args.workers) == ("/workspace/data", "fineweb-edu", 0, 16)

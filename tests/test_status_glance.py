@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from x1_common import contracts as C
-from x1_pretrain.stack import Workspace, collect_status, render_status
+from x1_pretrain.stack.runner import Workspace, collect_status, render_status
 from x1_watchdog.metrics import WatchdogMetrics
 from x1_watchdog.records import EventLog
 
@@ -65,7 +65,7 @@ def test_the_watchdogs_metrics_carry_its_last_decision(tmp_path):
 
 
 def test_status_shows_the_trainers_last_forecast(tmp_path):
-    from x1_pretrain.forecast import Forecast
+    from x1_pretrain.train.forecast import Forecast
 
     ws = workspace(tmp_path)
     assert collect_status(ws)["forecast"] is None  # no eval yet: nothing to show

@@ -20,7 +20,7 @@ import zstandard
 
 from conftest import REPO, cli_env, run_module
 from x1_common.fsutil import sha256_file
-from x1_pretrain.tokenizer import EOT_TOKEN, encode_document
+from x1_pretrain.data.tokenizer import EOT_TOKEN, encode_document
 
 OUTPUTS = ("train.bin", "val.bin", "meta.json")
 

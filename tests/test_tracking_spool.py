@@ -17,7 +17,7 @@ from conftest import wait_for
 LOGGER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from x1_pretrain.tracking import MlflowLogger
+    from x1_pretrain.train.tracking import MlflowLogger
 
     logger = MlflowLogger(sys.argv[1], "spool-test", run_id="0123abcd", run_name="r", params={}, tags={},
                           spool_path=Path(sys.argv[2]), flush_seconds=3600.0)
@@ -55,7 +55,7 @@ def test_metrics_logged_before_a_kill_during_the_exit_flush_are_in_the_spool(tmp
 
 
 def test_a_checkpoint_puts_the_unsent_metrics_of_its_steps_on_disk_first(tmp_path: Path) -> None:
-    from x1_pretrain.tracking import MlflowLogger
+    from x1_pretrain.train.tracking import MlflowLogger
 
     spool = tmp_path / "mlflow-spool.jsonl"
     # never started: nothing is sent, as when the server is slow and the process dies before a flush

@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY_CONFIG
 from x1_common.contracts import Heartbeat
 from x1_pretrain.config import load_config
-from x1_pretrain.train import compile_choice, lr_at
+from x1_pretrain.train.loop import compile_choice, lr_at
 
 
 def test_lr_warms_up_linearly_then_follows_the_cosine_to_min_lr():
@@ -57,8 +57,8 @@ def compiled_runs(tmp_path, tiny_data, key: str, values: tuple[str, str]) -> lis
 def test_the_compile_watch_counts_a_recompile_caused_by_other_strides():
     import torch
 
-    from x1_pretrain.data import split_window
-    from x1_pretrain.train import CompileWatch
+    from x1_pretrain.data.loader import split_window
+    from x1_pretrain.train.loop import CompileWatch
 
     f = torch.compile(lambda x: (x * 2).sum(), backend="eager")
     w = np.arange(2 * 9).reshape(2, 9)
@@ -101,8 +101,8 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_state_as_they_were(fused)
     # Fused AdamW skips on the device (found_inf), queued before the sync; the others are not called.
     import torch
 
-    from x1_pretrain.distributed import Dist
-    from x1_pretrain.train import step_unless_nonfinite
+    from x1_pretrain.train.distributed import Dist
+    from x1_pretrain.train.loop import step_unless_nonfinite
 
     single = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     w = torch.nn.Parameter(torch.ones(8))

@@ -24,8 +24,8 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import x1_pretrain.kernels as kernels  # noqa: E402
-import x1_pretrain.losses as losses  # noqa: E402
+from x1_pretrain.ops import kernels as kernels  # noqa: E402
+from x1_pretrain.ops import losses as losses  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_MEMORY_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}  # bytes: A100, H100/H200 (CUDA's opt-in maximum)

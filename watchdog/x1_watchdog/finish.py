@@ -168,8 +168,8 @@ class Terminator:
                       run_dir, self.termination_file, run_dir)
             return f"missing: no manifest.json in {run_dir}"
         try:
-            from x1_pretrain.dod import recheck_termination
-            from x1_pretrain.export_run import termination_facts
+            from x1_pretrain.run.dod import recheck_termination
+            from x1_pretrain.run.export import termination_facts
 
             target = run_dir / "termination.json"
             write_json_atomic(target, scrub_record(record))

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from x1_pretrain import cublaslt
-from x1_pretrain.kernels import triton_device, triton_ok, wgrad_accumulate
+from x1_pretrain.ops import cublaslt
+from x1_pretrain.ops.kernels import triton_device, triton_ok, wgrad_accumulate
 
 try:
     import triton

@@ -13,27 +13,14 @@ with --stop-when-forecast-misses-band (checkpoint written), 2 bad config or data
 
 from __future__ import annotations
 
-import os
-import signal
-
-
-def _preempted_while_starting(signum: int, frame: object) -> None:
-    os.write(2, b"SIGTERM during start-up, before anything was written: exit 75 (preempted)\n")
-    os._exit(75)  # ExitCode.PREEMPTED; immediate: the imports it interrupts need no unwinding
-
-
-# A SIGTERM from here until StopSignal takes over (the imports below: torch alone takes seconds)
-# is a stop before anything was written: "preempted" to the watchdog (75), not a crash (143).
-# Only as the program (python -m / torchrun -m): a process that imports this module keeps its own.
-if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _preempted_while_starting)
-
 import argparse
 import contextlib
 import json
 import logging
 import math
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -53,11 +40,7 @@ from x1_common.contracts import (
 )
 from x1_common.fsutil import write_json_atomic
 from x1_common.logs import setup_logging
-from x1_pretrain import cublaslt, levers, preflight, provenance
-from x1_pretrain import distributed as D
-from x1_pretrain.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
-from x1_pretrain.budget_guard import Interval, Pace, Projection
-from x1_pretrain.checkpoint import (
+from x1_pretrain.checkpoint.store import (
     OPTIM_FILE,
     Checkpointer,
     CheckpointError,
@@ -67,11 +50,16 @@ from x1_pretrain.checkpoint import (
     restore_rng,
 )
 from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
-from x1_pretrain.data import split_window
-from x1_pretrain.lease import take_trainer_lease
-from x1_pretrain.model import Bf16Weights, Transformer, attention_backend, param_groups
-from x1_pretrain.schedule import lr_at, lr_progress
-from x1_pretrain.spikes import SpikeDetector, SpikeInjector
+from x1_pretrain.data.loader import split_window
+from x1_pretrain.model.transformer import Bf16Weights, Transformer, attention_backend, param_groups
+from x1_pretrain.ops import cublaslt, levers
+from x1_pretrain.train import distributed as D
+from x1_pretrain.train import preflight, provenance
+from x1_pretrain.train.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
+from x1_pretrain.train.budget_guard import Interval, Pace, Projection
+from x1_pretrain.train.lease import take_trainer_lease
+from x1_pretrain.train.schedule import lr_at, lr_progress
+from x1_pretrain.train.spikes import SpikeDetector, SpikeInjector
 
 log = logging.getLogger("x1.train")
 
@@ -588,7 +576,7 @@ def evaluate(run: Run, step: int) -> float:
 def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool):
     """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept."""
     from x1_common.alerts import AlertSender
-    from x1_pretrain.forecast import ForecastError, ForecastWatch
+    from x1_pretrain.train.forecast import ForecastError, ForecastWatch
 
     alerts = None
     if is_main:
@@ -1064,7 +1052,7 @@ def earlier_start(cfg: RunConfig) -> dict[str, Any]:
 
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str,
                    extra_tags: dict[str, str] | None = None):
-    from x1_pretrain.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
+    from x1_pretrain.train.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
 
     # Several hosts: every host's first process beats, for that host's watchdog, saying which it is.
     node = {"rank": d.rank, "node_rank": d.node.rank, "nnodes": d.node.count, "hostname": d.node.hostname}
@@ -1220,8 +1208,8 @@ def halve_micro_batch(run: Run) -> None:
 
 
 def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | int:
-    from x1_pretrain import data as data_mod
-    from x1_pretrain.budget_guard import BudgetGuard
+    from x1_pretrain.data import loader as data_mod
+    from x1_pretrain.train.budget_guard import BudgetGuard
 
     started = time.monotonic()  # the start-up a restart costs is measured from here (budget_guard.Pace)
     check_device(cfg)
@@ -1320,8 +1308,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         try:
             raw.load_state_dict(loaded.model_state, strict=True)
         except RuntimeError:  # a verified folder whose tensors are not this model's
-            from x1_pretrain.checkpoint import MODEL_FILE
-            from x1_pretrain.weights import state_mismatch
+            from x1_pretrain.checkpoint.store import MODEL_FILE
+            from x1_pretrain.checkpoint.weights import state_mismatch
 
             raise DataOrConfigError(f"{loaded.path / MODEL_FILE}: the weights do not fit this config's model: "
                                     f"{state_mismatch(raw, loaded.model_state)}") from None
@@ -1428,7 +1416,7 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
     accumulate = cfg.train.grad_accumulation == "in-matmul"
     how = ""
     if accumulate:
-        from x1_pretrain.kernels import addmm_into_fp32
+        from x1_pretrain.ops.kernels import addmm_into_fp32
 
         how = ("; weight gradients added in fp32 by their matmuls" if addmm_into_fp32(d.device) else
                "; weight gradients summed in fp32 buffers (this torch's matmul cannot add into fp32 itself: "
@@ -1438,7 +1426,7 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
 
 
 def use_kernels(choice: str, device: torch.device) -> bool:
-    from x1_pretrain.losses import fused_available
+    from x1_pretrain.ops.losses import fused_available
 
     if choice == "torch":
         return False
@@ -1494,7 +1482,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE
     if args.dry_run_budget:
-        from x1_pretrain.budget_guard import dry_run
+        from x1_pretrain.train.budget_guard import dry_run
 
         return dry_run(cfg.budget)
     if args.forecast_band is not None and not (math.isfinite(args.forecast_band[0]) and math.isfinite(args.forecast_band[1])
@@ -1509,7 +1497,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopSignal()
     run = None
     try:
-        from x1_pretrain.data import DataError
+        from x1_pretrain.data.loader import DataError
 
         try:
             run = setup(args, cfg, stop)
@@ -1529,7 +1517,7 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.PREEMPTED
         code = train_loop(run)
         if args.run_dir and run.dist.is_main and code in FINAL_CODES:
-            from x1_pretrain.finish import write_run_folder
+            from x1_pretrain.run.finish import write_run_folder
 
             write_run_folder(cfg.tracking.mlflow_uri, Path(args.run_dir), run_id=run.sink.run_id,
                              ckpt_dir=Path(cfg.checkpoint.dir))
@@ -1546,6 +1534,3 @@ def main(argv: list[str] | None = None) -> int:
             run.batches.close()
         D.shutdown()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -141,7 +141,7 @@ def run_exists(uri: str, run_id: str) -> bool | None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    import x1_pretrain.tracking  # noqa: F401 - MLflow's client settings: no retries, a 10 s timeout
+    import x1_pretrain.train.tracking  # noqa: F401 - MLflow's client settings: no retries, a 10 s timeout
 
     try:
         MlflowClient(tracking_uri=uri).get_run(run_id)

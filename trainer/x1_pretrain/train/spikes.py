@@ -80,7 +80,7 @@ class SpikeInjector:
         return f"injecting rare-token batches at steps {self.at_step}..{self.at_step + INJECT_STEPS - 1}"
 
     def windows(self, step: int, micro: int, count: int) -> np.ndarray:
-        from x1_pretrain.data import rare_token_windows
+        from x1_pretrain.data.loader import rare_token_windows
 
         assert self.rare_ids is not None
         return rare_token_windows(self.rare_ids, self.seed, step, micro, self.rank, count, self.seq_len)

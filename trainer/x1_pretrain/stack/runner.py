@@ -59,13 +59,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from x1_common import services as S
 from x1_common.contracts import SIDECAR_PORT, TRAINER_METRICS_PORT, WATCHDOG_METRICS_PORT, ExitCode, Heartbeat
 from x1_common.fsutil import write_json_atomic
 from x1_common.logs import RedactSecrets
-from x1_pretrain import lease as L
+from x1_pretrain.stack import services as S
+from x1_pretrain.train import lease as L
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 PROMETHEUS_YML = REPO / "monitoring" / "prometheus" / "prometheus.yml"
 

@@ -26,7 +26,7 @@ from typing import Optional  # the custom ops' schemas: torch reads Optional[Ten
 import torch
 import torch.nn.functional as F
 
-from x1_pretrain import cublaslt
+from x1_pretrain.ops import cublaslt
 
 try:
     import triton

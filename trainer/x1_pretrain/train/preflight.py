@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from x1_pretrain.accounting import GPU_PEAK_TFLOPS, detect_gpu_key
+from x1_pretrain.train.accounting import GPU_PEAK_TFLOPS, detect_gpu_key
 
 INSTANCE_SPEC = {"vcpus": 16, "ram_gb": 64, "disk_free_gb": 50}  # docs/DEPLOY.md, "Check the host"
 DISK_FLOOR_GB = 20  # under this, the next checkpoints may not fit at all

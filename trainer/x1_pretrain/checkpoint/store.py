@@ -50,8 +50,8 @@ import torch
 
 from x1_common.contracts import format_utc, parse_json_strict, read_file_bytes, read_json_file, utc_now
 from x1_common.fsutil import fsync_dir, sha256_file, write_bytes_atomic, write_text_atomic
+from x1_pretrain.checkpoint.weights import weights_bytes
 from x1_pretrain.config import ModelConfig
-from x1_pretrain.weights import weights_bytes
 
 log = logging.getLogger("x1.checkpoint")
 
@@ -318,7 +318,7 @@ class Checkpointer:
         only with a warning that names both steps (a run extended with a larger --total-steps)."""
         weights = self.root / FINAL_WEIGHTS
         if weights.is_file():
-            from x1_pretrain.weights import read_metadata
+            from x1_pretrain.checkpoint.weights import read_metadata
 
             try:
                 old_step = read_metadata(weights).get("step")
@@ -418,8 +418,8 @@ class Checkpointer:
 
     def load(self, path: Path, map_location: str | torch.device = "cpu") -> Loaded:
         """A verified folder's contents; CheckpointError naming the folder when any part will not load."""
+        from x1_pretrain.checkpoint.weights import load_weights
         from x1_pretrain.config import ConfigError
-        from x1_pretrain.weights import load_weights
 
         try:
             model_state, _, _ = load_weights(path / MODEL_FILE)

@@ -105,7 +105,7 @@ def resolve_weights_path(path: str | os.PathLike[str]) -> Path:
     is unreadable, names no step folder or names one that does not verify, the newest folder
     that verifies is taken, with a warning naming what was skipped. ConfigError when the path
     holds nothing usable, naming what was found wrong; FileNotFoundError when it does not exist."""
-    from x1_pretrain.checkpoint import MARKER, MODEL_FILE, STEP_DIR, Checkpointer
+    from x1_pretrain.checkpoint.store import MARKER, MODEL_FILE, STEP_DIR, Checkpointer
 
     p = Path(path)
     if p.is_file():
@@ -172,7 +172,7 @@ def _listed(items: list[str], prefix: str, most: int = 4) -> list[str]:
 
 
 def model_from_weights(path: str | os.PathLike[str], device: str | torch.device = "cpu"):
-    from x1_pretrain.model import Transformer
+    from x1_pretrain.model.transformer import Transformer
 
     state, cfg, _ = load_weights(path)
     model = Transformer(cfg)

@@ -54,9 +54,9 @@ from x1_common.contracts import (
     parse_json_strict,
     read_json_file,
 )
-from x1_pretrain.accounting import fmt_count, steps_that_fit, tokens_per_sec_table
 from x1_pretrain.config import BudgetConfig, ConfigError
-from x1_pretrain.plan import usd  # $35 / $26.40
+from x1_pretrain.run.plan import usd  # $35 / $26.40
+from x1_pretrain.train.accounting import fmt_count, steps_that_fit, tokens_per_sec_table
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -1,0 +1,384 @@
+"""`python -m x1_pretrain.dod RUN_DIR`: the six definition-of-done checks.
+
+    1. manifest.json has seed, versions (torch, flash-attn, transformers, numpy), config hash,
+       cluster spec and total spend as spent_usd
+    2. the final val loss is within the band ([3.20, 3.50]; --band for short runs)
+    3. final.safetensors matches the manifest's sha256 and reloads byte-equivalently
+       (load, save, compare bytes and tensors)
+    4. total spend <= cap
+    5. spike-postmortem.md exists
+    6. the instance is terminated: termination.json (a provider's terminate answer or an
+       instance record showing it terminated), checked; or a screenshot termination.png with a
+       person's termination-note.txt beside it, accepted as NOT verified (a picture is not read)
+
+Prints a table with a reason on every line and writes RUN_DIR/dod.json (atomically) for the demo
+and CI. Exit 0 only when all six pass. A folder without manifest.json is not a run folder: exit 2,
+nothing written into it. `--termination-pending` is for the instance itself, before its terminate
+(python -m x1_pretrain.finish): a failing check 6 shows as PENDING, and exit 3 says that it is the
+only one not passing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from x1_common.contracts import ExitCode, format_utc, utc_now
+from x1_common.fsutil import sha256_file, write_json_atomic
+
+DEFAULT_BAND = (3.20, 3.50)
+LAB_CAP_USD = 35.0
+REQUIRED_VERSIONS = ("torch", "flash-attn", "transformers", "numpy")
+EXIT_FAILED = 1
+EXIT_PENDING = 3  # --termination-pending: checks 1-5 pass, the instance is not terminated yet
+TERMINATION_CHECK = 6
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TERMINATION_NOTE = "termination-note.txt"  # a person's note beside a screenshot: which instance, when, what it shows
+
+
+@dataclass(frozen=True)
+class Check:
+    number: int
+    name: str
+    ok: bool
+    reason: str
+    pending: bool = False  # not passing yet, and not expected to before the instance is terminated
+
+
+def _load_manifest(run_dir: Path) -> tuple[dict[str, Any] | None, str]:
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        return None, "no manifest.json in the run folder (run export_run first)"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return None, f"manifest.json is not readable JSON ({e})"
+    if not isinstance(manifest, dict):
+        return None, "manifest.json is not a JSON object"
+    return manifest, ""
+
+
+def check_manifest(manifest: dict[str, Any] | None, problem: str) -> Check:
+    name = "manifest complete"
+    if manifest is None:
+        return Check(1, name, False, problem)
+    missing = []
+    if manifest.get("seed") is None:
+        missing.append("seed")
+    versions = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
+    for pkg in REQUIRED_VERSIONS:
+        value = versions.get(pkg)
+        if not isinstance(value, str) or not value or value.startswith("unknown"):
+            missing.append(f"versions.{pkg}")
+    if not manifest.get("config_sha256"):
+        missing.append("config_sha256")
+    cluster = manifest.get("cluster")
+    if not isinstance(cluster, dict) or "gpu_name" not in cluster or "gpu_count" not in cluster:
+        missing.append("cluster (gpu_name, gpu_count)")
+    if "spent_usd" not in manifest:
+        missing.append("spent_usd")
+    if missing:
+        return Check(1, name, False, f"manifest.json lacks {', '.join(missing)}")
+    c = cluster or {}
+    spent = manifest["spent_usd"]
+    return Check(1, name, True, f"seed {manifest['seed']}, torch {versions['torch']}, flash-attn {versions['flash-attn']}, "
+                 f"config {str(manifest['config_sha256'])[:12]}, {c.get('gpu_count')}x {c.get('gpu_name')} on "
+                 f"{c.get('provider', '?')}, spent_usd {'null (see check 4)' if spent is None else spent}")
+
+
+def check_val_loss(manifest: dict[str, Any] | None, band: tuple[float, float]) -> Check:
+    name = "final val loss in band"
+    lo, hi = band
+    if manifest is None:
+        return Check(2, name, False, "no manifest: no final val loss to check")
+    val = manifest.get("final_val_loss")
+    if isinstance(val, bool) or not isinstance(val, (int, float)):
+        return Check(2, name, False, "the manifest has no final_val_loss (the run never evaluated?)")
+    where = f" (step {manifest['final_val_loss_step']})" if manifest.get("final_val_loss_step") is not None else ""
+    # Did the run match the predictions? Its own forecast at 10/25/50%, and the Chinchilla figure.
+    from x1_pretrain.train.forecast import summary_text
+
+    chinchilla = manifest.get("predicted_val_loss")
+    beside = f"; {summary_text(manifest.get('forecast'))}" + (
+        f"; Chinchilla fit {chinchilla:.3f} (other corpus and tokenizer: a guide)" if isinstance(chinchilla, (int, float)) else "")
+    if lo <= val <= hi:
+        return Check(2, name, True, f"final val loss {val:.4f}{where} is within [{lo:.2f}, {hi:.2f}]{beside}")
+    return Check(2, name, False, f"final val loss {val:.4f}{where} is outside [{lo:.2f}, {hi:.2f}]{beside}")
+
+
+def check_weights(run_dir: Path, manifest: dict[str, Any] | None) -> Check:
+    """sha256 against the manifest, then load -> save -> compare bytes and every tensor."""
+    import torch
+    from safetensors.torch import load as load_bytes
+
+    from x1_pretrain.checkpoint.weights import load_weights, weights_bytes
+
+    name = "final.safetensors round trip"
+    path = run_dir / "final.safetensors"
+    if not path.is_file():
+        return Check(3, name, False, "no final.safetensors in the run folder")
+    expected = ((manifest or {}).get("final_weights") or {}).get("sha256")
+    if not expected:
+        return Check(3, name, False, "the manifest records no final_weights.sha256 to compare with")
+    actual = sha256_file(path)
+    if actual != expected:
+        return Check(3, name, False, f"final.safetensors sha256 {actual[:12]} differs from the manifest's {expected[:12]}")
+    try:
+        state, model_cfg, metadata = load_weights(path)
+    except Exception as e:  # noqa: BLE001 - ConfigError, SafetensorError, OSError...: any of them fails the check
+        return Check(3, name, False, f"final.safetensors does not load: {e}")
+    extra = {k: v for k, v in metadata.items() if k not in ("format", "model_config")}
+    saved = weights_bytes(state, model_cfg, extra)
+    original = path.read_bytes()
+    if saved != original:
+        return Check(3, name, False, f"load -> save gives {len(saved):,} bytes that differ from the file's {len(original):,}")
+    reloaded = load_bytes(saved)
+    if reloaded.keys() != state.keys():
+        return Check(3, name, False, "the re-saved file holds other tensor names than the original")
+    unequal = [k for k in state if reloaded[k].dtype != state[k].dtype or not torch.equal(reloaded[k], state[k])]
+    if unequal:
+        return Check(3, name, False, f"tensors differ after load -> save -> load: {', '.join(unequal[:5])}")
+    return Check(3, name, True, f"sha256 {actual[:12]} matches the manifest; load -> save gives the same "
+                 f"{len(original):,} bytes and {len(state)} equal tensors")
+
+
+def _recorded_cap(run_dir: Path, manifest: dict[str, Any] | None) -> tuple[float | None, str]:
+    cap = (manifest or {}).get("cap_usd")
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+        return float(cap), "the manifest's cap_usd"
+    try:
+        cap = json.loads((run_dir / "budget.json").read_text()).get("cap_usd")
+        if isinstance(cap, (int, float)) and not isinstance(cap, bool):
+            return float(cap), "budget.json's cap_usd"
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None, ""
+
+
+def check_spend(run_dir: Path, manifest: dict[str, Any] | None, cap_flag: float | None) -> Check:
+    name = "spend within cap"
+    if cap_flag is not None:
+        cap, source = cap_flag, "--cap-usd"
+    else:
+        cap, source = _recorded_cap(run_dir, manifest)
+        if cap is None:
+            cap, source = LAB_CAP_USD, "the lab's cap"
+    if manifest is None:
+        return Check(4, name, False, "no manifest: no total spend to check")
+    spent = manifest.get("spent_usd")
+    if isinstance(spent, bool) or not isinstance(spent, (int, float)):
+        why = manifest.get("spent_usd_reason") or "spent_usd is missing or null"
+        return Check(4, name, False, f"total spend unknown: {why}")
+    stale = " (last reading marked stale: an estimate)" if manifest.get("spent_usd_note") else ""
+    if spent <= cap:
+        return Check(4, name, True, f"spent ${spent:.2f} <= cap ${cap:.2f} ({source}){stale}")
+    return Check(4, name, False, f"spent ${spent:.2f} is over the cap ${cap:.2f} ({source}){stale}")
+
+
+def check_postmortem(run_dir: Path) -> Check:
+    name = "spike post-mortem"
+    path = run_dir / "spike-postmortem.md"
+    if not path.is_file() or path.stat().st_size == 0:
+        return Check(5, name, False, "no spike-postmortem.md (write it with python -m x1_pretrain.postmortem)")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    todo = sum(1 for line in text.splitlines() if line.lstrip("> ").startswith("TODO(person)"))
+    draft = f"; {todo} prompt(s) still marked TODO(person)" if todo else ""
+    return Check(5, name, True, f"spike-postmortem.md exists{draft}")
+
+
+def termination_evidence(record: Any) -> str | None:
+    """What in a provider record shows the instance terminated, or None.
+
+    Accepted: Lambda's terminate answer {"data": {"terminated_instances": [...]}}; a Lambda
+    instance record with status "terminated"; RunPod's {"data": {"podTerminate": ...}} without
+    GraphQL errors; a RunPod pod with desiredStatus TERMINATED; and the watchdog's record
+    wrapping either under "response" or "instance_after".
+    """
+    if not isinstance(record, dict) or record.get("errors"):
+        return None
+    data = record.get("data")
+    if isinstance(data, dict):
+        done = data.get("terminated_instances")
+        if isinstance(done, list) and done:
+            ids = ", ".join(str(i.get("id", "?")) if isinstance(i, dict) else str(i) for i in done)
+            return f"Lambda terminate answer: terminated_instances [{ids}]"
+        if "podTerminate" in data:
+            return "RunPod podTerminate answered without errors"
+    for pod in (data.get("pod") if isinstance(data, dict) else None, record.get("pod"), record):
+        if isinstance(pod, dict) and str(pod.get("desiredStatus", "")).upper() == "TERMINATED":
+            return f"RunPod pod {pod.get('id', '?')} has desiredStatus TERMINATED"
+    for inst in (data, record):
+        if isinstance(inst, dict) and str(inst.get("status", "")).lower() == "terminated":
+            return f"instance {inst.get('id', record.get('instance_id', '?'))} has status terminated"
+    for key in ("response", "instance_after", "raw"):
+        found = termination_evidence(record.get(key))
+        if found:
+            return f"{key}: {found}"
+    return None
+
+
+def check_termination(run_dir: Path) -> Check:
+    name = "instance terminated"
+    problems = []
+    record_path, shot = run_dir / "termination.json", run_dir / "termination.png"
+    if record_path.is_file():
+        try:
+            evidence = termination_evidence(json.loads(record_path.read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:
+            evidence, problems = None, [f"termination.json is not JSON ({e})"]
+        if evidence:
+            return Check(6, name, True, f"termination.json: {evidence}")
+        problems = problems or ["termination.json shows no terminated instance"]
+    if shot.is_file():
+        # A picture proves nothing by itself (any PNG decodes): it passes only with a person's note
+        # beside it saying what it shows, and the verdict says it was not verified.
+        problem = _png_problem(shot)
+        note = run_dir / TERMINATION_NOTE
+        if problem is None and not (note.is_file() and note.read_text(encoding="utf-8", errors="replace").strip()):
+            problem = (f"termination.png has no {TERMINATION_NOTE} beside it: write there when you terminated which "
+                       "instance and what the screenshot shows (a picture alone is not checked)")
+        if problem is None:
+            return Check(6, name, True, f"termination.png with {TERMINATION_NOTE}: a screenshot, NOT verified by dod "
+                                        "(look at it; termination.json from --terminate-on-finish is checked)")
+        problems.append(problem)
+    if not problems:
+        problems = ["no termination.json and no termination.png (the watchdog's --terminate-on-finish writes the "
+                    "record; or save the provider dashboard's screenshot as termination.png)"]
+    return Check(6, name, False, "; ".join(problems))
+
+
+def _png_problem(path: Path) -> str | None:
+    from PIL import Image
+
+    if path.read_bytes()[:8] != PNG_SIGNATURE:
+        return "termination.png is not a PNG"
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds for a broken image
+        return f"termination.png does not decode ({e})"
+    return None
+
+
+def run_checks(run_dir: Path, band: tuple[float, float], cap_usd: float | None) -> list[Check]:
+    manifest, problem = _load_manifest(run_dir)
+    return [
+        check_manifest(manifest, problem),
+        check_val_loss(manifest, band),
+        check_weights(run_dir, manifest),
+        check_spend(run_dir, manifest, cap_usd),
+        check_postmortem(run_dir),
+        check_termination(run_dir),
+    ]
+
+
+def mark_pending(check: Check) -> Check:
+    """Check 6 on the instance itself, before its terminate: it cannot pass yet."""
+    if check.ok:
+        return check
+    return replace(check, pending=True, reason="the instance running this check is still up: --terminate-on-finish "
+                   "adds the provider's answer here as termination.json after its terminate; otherwise terminate it "
+                   "yourself, save the dashboard's screenshot here as termination.png with termination-note.txt (which "
+                   "instance, when, what it shows) and run dod on this folder again")
+
+
+def render(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = [f"{'#':>2}  {'check':<{width}}  result   reason"]
+    lines += [f"{c.number:>2}  {c.name:<{width}}  {'PASS' if c.ok else 'PENDING' if c.pending else 'FAIL':<7}  {c.reason}"
+              for c in checks]
+    failed = [c for c in checks if not c.ok and not c.pending]
+    pending = [c for c in checks if c.pending]
+    if failed:
+        lines.append(f"{len(failed)} of {len(checks)} checks FAIL: " + ", ".join(f"{c.number} ({c.name})" for c in failed))
+    if pending:
+        lines.append(", ".join(f"check {c.number} ({c.name})" for c in pending) + " pending")
+    if not failed and not pending:
+        lines.append(f"all {len(checks)} checks pass")
+    elif not failed:
+        lines.append(f"{len(checks) - len(pending)} of {len(checks)} checks pass")
+    return "\n".join(lines)
+
+
+def exit_code(checks: list[Check]) -> int:
+    if all(c.ok for c in checks):
+        return 0
+    return EXIT_PENDING if all(c.ok or c.pending for c in checks) else EXIT_FAILED
+
+
+def report(run_dir: Path, checks: list[Check], band: tuple[float, float]) -> dict[str, Any]:
+    return {"run_dir": str(run_dir.resolve()), "passed": all(c.ok for c in checks), "checked_utc": format_utc(utc_now()),
+            "band": list(band), "pending": [c.number for c in checks if c.pending],
+            "checks": [asdict(c) for c in checks]}
+
+
+def recheck_termination(run_dir: Path) -> Check | None:
+    """Check 6 again, after the watchdog wrote the provider's answer into the folder: dod.json's
+    line for it is replaced (the other lines stand as checked). None when there is no dod.json."""
+    path = run_dir / "dod.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        checks = [Check(**c) for c in saved["checks"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    check = check_termination(run_dir)
+    checks = [check if c.number == TERMINATION_CHECK else c for c in checks]
+    write_json_atomic(path, {**report(run_dir, checks, tuple(saved.get("band", DEFAULT_BAND))),
+                             "checked_utc": saved.get("checked_utc"), "rechecked_utc": {str(TERMINATION_CHECK): format_utc(utc_now())}})
+    return check
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m x1_pretrain.dod",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Check a run folder against the definition of done (docs/DESIGN.md §8):\n\n" + __doc__.split("\n\n", 1)[1],
+        epilog="Exit codes: 0 all checks pass; 1 at least one fails (the table names it); 2 bad usage or not a run "
+               "folder; 3 with --termination-pending: checks 1-5 pass and 6 is pending.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the folder export_run wrote")
+    p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"), default=DEFAULT_BAND,
+                   help="final val loss band (default 3.20 3.50; a short or tiny run uses its own)")
+    p.add_argument("--cap-usd", type=float, metavar="USD",
+                   help="spend cap (default: the cap recorded in the manifest or budget.json, else the spec's $35)")
+    p.add_argument("--termination-pending", action="store_true",
+                   help="run on the instance before its terminate: a failing check 6 is PENDING (exit 3 when it is "
+                        "the only one not passing)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run_dir = Path(args.run_dir)
+    band = (float(args.band[0]), float(args.band[1]))
+    if not run_dir.is_dir():
+        print(f"dod: error: RUN_DIR {run_dir} is not a folder", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if not band[0] < band[1]:
+        print(f"dod: error: --band {band[0]} {band[1]}: LO must be below HI", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if args.cap_usd is not None and args.cap_usd <= 0:
+        print(f"dod: error: --cap-usd {args.cap_usd}: must be above 0", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if not (run_dir / "manifest.json").is_file():
+        # Writing dod.json here would leave a stray file in a folder that is not ours.
+        print(f"dod: error: RUN_DIR {run_dir} is not a run folder (no manifest.json): write one with "
+              f"python -m x1_pretrain.export_run --output {run_dir} (or python -m x1_pretrain.finish)", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    checks = run_checks(run_dir, band, args.cap_usd)
+    if args.termination_pending:
+        checks = [mark_pending(c) if c.number == TERMINATION_CHECK else c for c in checks]
+    print(render(checks))
+    try:
+        write_json_atomic(run_dir / "dod.json", report(run_dir, checks, band))
+    except OSError as e:
+        print(f"dod: warning: cannot write {run_dir / 'dod.json'}: {e}", file=sys.stderr)
+    return exit_code(checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
