@@ -227,7 +227,10 @@ def main() -> int:
         args.name = args.variant if args.name == "ours" else args.name
 
     from x1_common.fsutil import write_json_atomic
-    from x1_pretrain.train import loop as T
+    from x1_pretrain.train.components import StopSignal, Throughput
+    from x1_pretrain.train.loop import accumulate, train_loop
+    from x1_pretrain.train.parser import build_parser, config_from_args
+    from x1_pretrain.train.setup import setup
 
     for item in args.patch:
         dotted, _, value = item.partition("=")
@@ -251,18 +254,18 @@ def main() -> int:
             "--set", f"optim.warmup_steps={min(1000, total)}"]  # a timing run may be shorter than the warmup
     for s in args.set:
         argv += ["--set", s]
-    targs = T.build_parser().parse_args(argv)
-    cfg = T.config_from_args(targs)
+    targs = build_parser().parse_args(argv)
+    cfg = config_from_args(targs)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    run = T.setup(targs, cfg, T.StopSignal())
+    run = setup(targs, cfg, StopSignal())
     compile_s = time.perf_counter() - t0
     assert not isinstance(run, int), f"setup refused: exit {run}"
 
     # bare: the loop's step, nothing else
     def one_step(step: int) -> None:
-        loss, _ = T.accumulate(run, step)
+        loss, _ = accumulate(run, step)
         torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), cfg.optim.grad_clip)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=not run.cudagraphs)
@@ -304,8 +307,8 @@ def main() -> int:
             run.batches.close()
             run.state.step = args.steps + 1
             run.batches = run.make_batches(run.state.step, run.micro_batch, run.grad_accum)
-        run.throughput = T.Throughput()
-        T.train_loop(run)
+        run.throughput = Throughput()
+        train_loop(run)
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(f"file://{work}/mlruns")

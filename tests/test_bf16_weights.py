@@ -118,7 +118,7 @@ def test_the_trainer_takes_copies_only_where_they_replace_autocasts_casts_exactl
     from x1_pretrain.config import load_config
     from x1_pretrain.model.transformer import Bf16Weights, Transformer
     from x1_pretrain.train.distributed import Dist
-    from x1_pretrain.train.loop import bf16_weights
+    from x1_pretrain.train.setup import bf16_weights
 
     cfg = load_config(TINY_CONFIG, sets)
     dist = Dist(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))

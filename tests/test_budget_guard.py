@@ -20,7 +20,8 @@ from budget_sidecar.testing import Sidecar, free_port
 from receivers import Inbox, WebhookReceiver
 from x1_common.alerts import AlertSender
 from x1_pretrain.config import BudgetConfig, ConfigError
-from x1_pretrain.train.budget_guard import Action, BudgetGuard, NullGuard, dry_run, read_source
+from x1_pretrain.train.budget_guard import Action, BudgetGuard, NullGuard, read_source
+from x1_pretrain.train.budget_sim import dry_run
 
 T0 = 1_900_000_000.0
 
@@ -365,7 +366,7 @@ def test_the_dry_run_is_fast_and_needs_no_file_or_network() -> None:
 
 
 def test_the_guard_module_does_not_import_torch() -> None:
-    code = "import sys, x1_pretrain.train.budget_guard as g; g.dry_run(g.BudgetConfig(cap_usd=35), out=lambda _: None); " \
+    code = "import sys, x1_pretrain.train.budget_sim as g; g.dry_run(g.BudgetConfig(cap_usd=35), out=lambda _: None); " \
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

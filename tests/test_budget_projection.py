@@ -256,7 +256,7 @@ def test_billed_hours_follow_the_readings_time_scale(tmp_path) -> None:
 
 
 def test_throughput_marks_the_start_a_resume_an_eval_and_a_checkpoint_as_not_steady() -> None:
-    from x1_pretrain.train.loop import Throughput
+    from x1_pretrain.train.components import Throughput
 
     t = [0.0]
     tp = Throughput("resume", clock=lambda: t[0])
@@ -291,7 +291,7 @@ def test_a_starved_data_loader_warns_in_its_first_steady_interval_and_not_before
     import torch
 
     from x1_pretrain.data.loader import Prefetcher
-    from x1_pretrain.train.loop import Throughput, warn_if_slow
+    from x1_pretrain.train.components import Throughput, warn_if_slow
 
     starved = threading.Event()
     windows = np.zeros((4, 65), dtype=np.uint16)
@@ -330,7 +330,7 @@ def test_a_starved_data_loader_warns_in_its_first_steady_interval_and_not_before
 
 
 def test_only_a_steady_interval_of_the_first_hour_is_judged(caplog) -> None:
-    from x1_pretrain.train.loop import warn_if_slow
+    from x1_pretrain.train.components import warn_if_slow
 
     slow = Interval(steps=10, seconds=10.0, tokens=100)
     with caplog.at_level(logging.WARNING, logger="x1.train"):
@@ -347,7 +347,7 @@ def test_only_a_steady_interval_of_the_first_hour_is_judged(caplog) -> None:
 
 @pytest.mark.parametrize("config, gpu", [("x1-50m-a100.yaml", "a100-80gb"), ("x1-50m-h200.yaml", "h200")])
 def test_each_gpu_configs_floor_is_under_what_plan_expects_for_that_gpu(config, gpu) -> None:
-    from x1_pretrain.train.loop import throughput_floor
+    from x1_pretrain.train.setup import throughput_floor
 
     cfg = load_config(CONFIGS / config)
     plan = expected_tokens_per_sec(gpu, cfg.model)
@@ -356,7 +356,7 @@ def test_each_gpu_configs_floor_is_under_what_plan_expects_for_that_gpu(config, 
 
 
 def test_the_default_floor_is_a_share_of_the_expected_throughput_and_off_without_one() -> None:
-    from x1_pretrain.train.loop import throughput_floor
+    from x1_pretrain.train.setup import throughput_floor
 
     cfg = load_config(CONFIGS / "x1-50m-a100.yaml")
     assert cfg.train.min_tokens_per_sec is None
@@ -369,7 +369,7 @@ def test_the_default_floor_is_a_share_of_the_expected_throughput_and_off_without
 def test_the_expected_throughput_is_the_given_one_else_none_on_a_cpu() -> None:
     import torch
 
-    from x1_pretrain.train.loop import expected_throughput
+    from x1_pretrain.train.setup import expected_throughput
 
     cfg = load_config(CONFIGS / "tiny-cpu.yaml")
     assert expected_throughput(cfg, torch.device("cpu"), 1) is None

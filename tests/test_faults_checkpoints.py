@@ -46,7 +46,8 @@ from x1_pretrain.config import ConfigError, load_config
 from x1_pretrain.model.transformer import Transformer
 from x1_pretrain.run.export import ExportError, choose_weights
 from x1_pretrain.train import distributed as D
-from x1_pretrain.train.loop import DataOrConfigError, resume_point
+from x1_pretrain.train.components import DataOrConfigError
+from x1_pretrain.train.resume import resume_point
 
 STEPS = (10, 20, 30)
 # The tiny config with a small vocabulary: checkpoints of ~0.5 MB, so that a hundred cases copy fast.

@@ -99,8 +99,9 @@ def read_all(root: Path, data: Path, out: Path, capsys: pytest.CaptureFixture[st
     from x1_pretrain.config import load_config
     from x1_pretrain.run import export as export_run
     from x1_pretrain.run import hf_export, sample
+    from x1_pretrain.train.components import DataOrConfigError
     from x1_pretrain.train.distributed import Dist
-    from x1_pretrain.train.loop import DataOrConfigError, resume_point
+    from x1_pretrain.train.resume import resume_point
 
     ckpt = root / "ckpt"
     out.mkdir(exist_ok=True)

@@ -488,7 +488,7 @@ def test_a_sidecar_restarted_on_a_damaged_ledger_keeps_what_budget_json_publishe
 def test_the_files_an_earlier_trainer_left_are_read_or_ignored_never_a_crash(tmp_path: Path, data: bytes) -> None:
     from conftest import TINY_CONFIG
     from x1_pretrain.config import load_config
-    from x1_pretrain.train.loop import compile_choice, earlier_start
+    from x1_pretrain.train.setup import compile_choice, earlier_start
 
     ckpt = tmp_path / "ck"
     ckpt.mkdir(exist_ok=True)

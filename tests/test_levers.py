@@ -166,7 +166,7 @@ def test_a_compile_that_fails_falls_back_to_eager_and_says_so(tmp_path, tiny_dat
 
 
 def test_the_grad_norm_without_get_total_norm_is_the_same_number(monkeypatch):
-    from x1_pretrain.train.loop import total_norm
+    from x1_pretrain.train.components import total_norm
 
     params = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2)]
     with_call = total_norm(params)
@@ -222,7 +222,8 @@ def test_the_torch_pin_check_fails_a_build_that_drifts():
 
 def test_a_driver_too_old_for_the_builds_cuda_is_refused_naming_driver_and_cuda(monkeypatch, tmp_path, tiny_data):
     from x1_pretrain.train import preflight
-    from x1_pretrain.train.loop import DataOrConfigError, check_device
+    from x1_pretrain.train.components import DataOrConfigError
+    from x1_pretrain.train.setup import check_device
 
     assert preflight.cuda_init_problem() is None or torch.cuda.is_available() is False
     # A GPU host whose driver CUDA cannot use: the driver file says 535, this torch's CUDA fails to initialise.

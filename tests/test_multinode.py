@@ -290,7 +290,7 @@ def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rd
     shared filesystem."""
     import shlex
 
-    from x1_pretrain.train.loop import build_parser
+    from x1_pretrain.train.parser import build_parser
 
     if docker_problem() is not None and os.environ.get("CI") != "true":
         pytest.skip(docker_problem())

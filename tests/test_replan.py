@@ -32,7 +32,7 @@ import pytest
 from conftest import REPO, TINY_CONFIG, cli_env, train_args
 from x1_pretrain.checkpoint.store import TrainerState
 from x1_pretrain.config import load_config
-from x1_pretrain.train.loop import lr_at
+from x1_pretrain.train.schedule import lr_at
 from x1_watchdog.records import StateStore
 
 pytestmark = pytest.mark.slow
@@ -198,7 +198,7 @@ def test_a_budget_stop_is_set_aside_only_for_a_plan_with_other_total_steps(tmp_p
 def test_the_cosine_retargeted_at_a_replan_keeps_the_learning_rate_and_ends_at_min_lr() -> None:
     optim = load_config(TINY_CONFIG).optim
     old, new, s0 = 2000, 120, 60
-    from x1_pretrain.train.loop import lr_progress
+    from x1_pretrain.train.schedule import lr_progress
 
     r = {"step": s0, "lr_progress": lr_progress(s0, optim, old)}
     assert lr_at(s0, optim, new, r) == pytest.approx(lr_at(s0, optim, old))

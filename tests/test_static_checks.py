@@ -337,7 +337,7 @@ def test_trainer_command_is_the_seeds_and_the_trainer_accepts_it(compose):
                  "--eval-every=1800", "--log-every=10", "--resume-from-latest", "--budget-cap-usd=35",
                  "--budget-curr-cost-uri=/workspace/budget.json", "--heartbeat-file=/workspace/logs/heartbeat.json"):
         assert flag in command
-    from x1_pretrain.train.loop import build_parser, config_from_args
+    from x1_pretrain.train.parser import build_parser, config_from_args
 
     args = build_parser().parse_args(command[1:])
     cfg = config_from_args(args)  # the config file inside the image, with the lab's overrides

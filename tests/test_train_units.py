@@ -11,7 +11,8 @@ import pytest
 from conftest import TINY_CONFIG
 from x1_common.contracts import Heartbeat
 from x1_pretrain.config import load_config
-from x1_pretrain.train.loop import compile_choice, lr_at
+from x1_pretrain.train.schedule import lr_at
+from x1_pretrain.train.setup import compile_choice
 
 
 def test_lr_warms_up_linearly_then_follows_the_cosine_to_min_lr():
@@ -58,7 +59,7 @@ def test_the_compile_watch_counts_a_recompile_caused_by_other_strides():
     import torch
 
     from x1_pretrain.data.loader import split_window
-    from x1_pretrain.train.loop import CompileWatch
+    from x1_pretrain.train.components import CompileWatch
 
     f = torch.compile(lambda x: (x * 2).sum(), backend="eager")
     w = np.arange(2 * 9).reshape(2, 9)

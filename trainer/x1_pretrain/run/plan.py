@@ -36,6 +36,7 @@ from x1_pretrain.train.accounting import (
     mfu,
     param_counts,
     steps_that_fit,
+    usd,
 )
 
 PROVIDER_DISPLAY = {"lambda": "Lambda", "runpod": "RunPod", "static": "on-prem"}
@@ -57,11 +58,6 @@ DOD_BAND = (3.20, 3.50)
 # The max price on the A100 80GB, the reference GPU of the budget; other GPUs get the price at
 # which their tokens cost what the A100's do at this price (max_price_for).
 A100_MAX_PRICE_USD_PER_HR = 1.40
-
-
-def usd(x: float) -> str:
-    """$35 for whole dollars, $26.40 otherwise."""
-    return f"${x:.0f}" if abs(x - round(x)) < 0.005 else f"${x:.2f}"
 
 
 @dataclass

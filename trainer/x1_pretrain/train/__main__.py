@@ -17,6 +17,6 @@ def _preempted_while_starting(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, _preempted_while_starting)
 
-from x1_pretrain.train.loop import main  # noqa: E402 - after the handler, on purpose
+from x1_pretrain.train.main import main  # noqa: E402 - after the handler, on purpose
 
 sys.exit(main())

@@ -180,3 +180,8 @@ def fmt_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.{1 if abs(n) / scale < 100 else 0}f}{unit}"
     return f"{n:.0f}"
+
+
+def usd(x: float) -> str:
+    """$35 for whole dollars, $26.40 otherwise."""
+    return f"${x:.0f}" if abs(x - round(x)) < 0.005 else f"${x:.2f}"
