@@ -76,7 +76,7 @@ class Run:
         return self.proc.returncode
 
     def result(self) -> dict:
-        from x1_pretrain.run.export import load_run
+        from x1_pretrain.run.record import load_run
 
         if (rc := self.wait()) != 0:
             tail = (self.work / "train.log").read_text().splitlines()[-15:]

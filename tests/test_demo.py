@@ -214,7 +214,7 @@ def test_demo_exits_nonzero_when_a_step_fails(spiked_run, tmp_path):
     `finish` (here: no MLflow server where the run's metrics should be) fails the demo even though
     `dod`, on the folder the trainer left, passes."""
     from x1_pretrain.stack.demo import Console, OneShots, finish_run
-    from x1_pretrain.stack.runner import Workspace
+    from x1_pretrain.stack.workspace import Workspace
 
     ws = Workspace(tmp_path / "ws")
     ws.logs.mkdir(parents=True)

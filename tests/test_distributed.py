@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REFERENCE_STEPS, REPO, cli_env, run_module, train_args
 from x1_common.contracts import Heartbeat
-from x1_pretrain.checkpoint.weights import load_weights
+from x1_pretrain.checkpoint.load import load_weights
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this python")

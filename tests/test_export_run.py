@@ -27,7 +27,7 @@ from PIL import Image
 from conftest import cli_env, free_port, run_module, train_args
 from x1_common.contracts import BudgetReading, utc_now
 from x1_common.fsutil import sha256_file
-from x1_pretrain.stack.runner import mlflow_server, wait_until
+from x1_pretrain.stack.process import mlflow_server, wait_until
 
 SPIKE_AT = 50
 TOTAL_STEPS = 70
@@ -192,7 +192,8 @@ def test_export_writes_every_artifact_and_each_is_valid(spiked_run: SpikedRun) -
     assert {"loss", "val_loss", "grad_norm", "param_norm", "tokens_per_sec", "lr", "spike_injected"} <= names
 
     # final.safetensors: the trainer's final weights, as recorded, and it round-trips.
-    from x1_pretrain.checkpoint.weights import load_weights, weights_bytes
+    from x1_pretrain.checkpoint.load import load_weights
+    from x1_pretrain.checkpoint.weights import weights_bytes
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     final = run_dir / "final.safetensors"
@@ -365,9 +366,9 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(spiked_run: Spi
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
-    from x1_pretrain.run import export as export_run
+    from x1_pretrain.run import record
 
-    monkeypatch.setattr(export_run, "CONNECT_DELAYS_S", (0.2,))
+    monkeypatch.setattr(record, "CONNECT_DELAYS_S", (0.2,))
     empty_db = tmp_path / "empty.db"
     MlflowClient(f"sqlite:///{empty_db}").create_experiment("x1-pretraining")
     (tmp_path / "no-weights").mkdir()

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from conftest import REPO, TINY_CONFIG, cli_env, run_module, start_trainer, train_args
 from x1_common.contracts import ExitCode, Heartbeat
 from x1_pretrain.checkpoint import store as ckpt_mod
+from x1_pretrain.checkpoint.load import resolve_weights_path
 from x1_pretrain.checkpoint.store import (
     MARKER,
     MODEL_FILE,
@@ -41,10 +42,10 @@ from x1_pretrain.checkpoint.store import (
     TrainerState,
     capture_rng,
 )
-from x1_pretrain.checkpoint.weights import resolve_weights_path
 from x1_pretrain.config import ConfigError, load_config
 from x1_pretrain.model.transformer import Transformer
-from x1_pretrain.run.export import ExportError, choose_weights
+from x1_pretrain.run.facts import choose_weights
+from x1_pretrain.run.record import ExportError
 from x1_pretrain.train import distributed as D
 from x1_pretrain.train.components import DataOrConfigError
 from x1_pretrain.train.resume import resume_point

@@ -26,6 +26,7 @@ from conftest import TINY_CONFIG, run_module, train_args
 from x1_pretrain.checkpoint.store import Checkpointer, TrainerState, capture_rng
 from x1_pretrain.config import ConfigError, RunConfig, load_config
 from x1_pretrain.data import tokenize as tokenize_data
+from x1_pretrain.data.sources import find_inputs
 from x1_pretrain.model.transformer import Transformer
 
 # ---- every numeric field is finite --------------------------------------------------------------------
@@ -253,6 +254,6 @@ def test_any_mix_of_bad_entries_is_refused_listing_every_one(tmp_path_factory: p
     d = tmp_path_factory.mktemp("walk")
     (d / "good.txt").write_text("text")
     bad = sorted(str(_bad_entry(k, d)) for k in kinds)
-    sources, _, found = tokenize_data.find_inputs(d, exclude=[])
+    sources, _, found = find_inputs(d, exclude=[])
     assert [s.rel for s in sources] == ["good.txt"]
     assert sorted(b.path for b in found) == bad

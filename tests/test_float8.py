@@ -121,7 +121,7 @@ def test_parity_verdict_fails_when_either_final_loss_moves_more_than_the_toleran
 
 
 def test_parity_benchmark_trains_both_runs_and_the_float8_weights_load_as_a_plain_model(tmp_path, tiny_data, parity, capsys):
-    from x1_pretrain.checkpoint.weights import model_from_weights
+    from x1_pretrain.checkpoint.load import model_from_weights
 
     out = tmp_path / "parity"
     code = parity.main(["--config", str(TINY_CONFIG), "--data-dir", str(tiny_data), "--out", str(out), "--steps", "12",

@@ -17,16 +17,7 @@ from x1_common.alerts import AlertSender
 from x1_common.contracts import FINAL_EXIT_CODES, ExitCode, should_relaunch
 from x1_pretrain.checkpoint.store import TrainerState
 from x1_pretrain.train.budget_guard import Projection
-from x1_pretrain.train.forecast import (
-    Curve,
-    ForecastError,
-    ForecastWatch,
-    Priors,
-    Schedule,
-    areas,
-    fit_power,
-    forecast,
-)
+from x1_pretrain.train.forecast import Curve, ForecastError, ForecastWatch, Priors, Schedule, areas, fit_power, forecast
 from x1_pretrain.train.forecast_rule import first_judged_step
 from x1_pretrain.train.tracking import NullSink
 

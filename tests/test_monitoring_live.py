@@ -33,15 +33,8 @@ from promql_names import (
 
 from conftest import REPO, cli_env, run_module
 from x1_common import contracts as C
-from x1_pretrain.stack.runner import (
-    Ports,
-    Service,
-    Workspace,
-    choose_ports,
-    free_port,
-    http_json,
-    wait_until,
-)
+from x1_pretrain.stack.process import Service, http_json, wait_until
+from x1_pretrain.stack.workspace import Ports, Workspace, choose_ports, free_port
 
 pytestmark = pytest.mark.slow
 

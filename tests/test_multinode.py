@@ -26,7 +26,7 @@ from multinode_cluster import PREFIX, SHARED, Cluster
 
 from conftest import REPO, cli_env, run_module, wait_for
 from conftest import train_args as one_host_train_args
-from x1_pretrain.checkpoint.weights import load_weights
+from x1_pretrain.checkpoint.load import load_weights
 
 pytestmark = pytest.mark.slow
 

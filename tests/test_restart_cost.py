@@ -53,7 +53,7 @@ def test_a_preemption_is_measured_from_the_exit_to_the_relaunched_process_first_
     assert manifest["restarts"] == 1 and manifest["restart_cost"]["downtime_seconds_total"] == restart["downtime_seconds"]
 
     # MLflow holds the trainer's own numbers: one startup per process, one downtime for the resume.
-    from x1_pretrain.run.export import load_run
+    from x1_pretrain.run.record import load_run
 
     record = load_run(f"file://{out / 'mlruns'}", manifest["mlflow"]["run_id"])
     assert len(record.raw["startup_seconds"]) == 2

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env, free_port, run_module, wait_for
+from x1_pretrain.stack import process, workspace
 from x1_pretrain.stack import runner as stack_mod
 from x1_pretrain.train import lease as L
 
@@ -44,7 +45,7 @@ def write_env(path: Path, **values: str) -> Path:
 
 def tiny_settings(**extra: str) -> dict[str, str]:
     """The .env of a tiny CPU run: static provider, free ports, fast polls."""
-    ports = {var: str(free_port()) for var in stack_mod.PORT_VARS.values()}
+    ports = {var: str(free_port()) for var in workspace.PORT_VARS.values()}
     return {"PROVIDER": "static", "RATE_USD_PER_HR": "0.10", "BUDGET_POLL_SECONDS": "1",
             "X1_CONFIG": "configs/tiny-cpu.yaml", "TOTAL_STEPS": str(TOTAL_STEPS), "CKPT_EVERY": "10",
             "EVAL_EVERY": "20", "LOG_EVERY": "2", "STALL_SECONDS": "180", "STARTUP_GRACE_SECONDS": "180",
@@ -159,8 +160,8 @@ def test_a_port_another_stack_holds_fails_the_port_check_while_its_server_is_dow
     # The first stack's trainer is between a crash and its relaunch: its metrics port is free to
     # bind, but is that stack's. A second stack given the same port must not pass.
     ports_dir = tmp_path / "ports"
-    monkeypatch.setattr(stack_mod, "PORTS_DIR", ports_dir)
-    other = stack_mod.PortReservation()
+    monkeypatch.setattr(workspace, "PORTS_DIR", ports_dir)
+    other = workspace.PortReservation()
     port = free_port()
     assert other.claim(port, tmp_path / "first-ws") is None
     try:
@@ -201,7 +202,7 @@ sys.meta_path.insert(0, MissingCudaRuntime())
 @pytest.mark.slow
 def test_trainer_that_cannot_start_is_stopped_after_two_launches_and_status_shows_the_startup_failure(
         tmp_path, tiny_data):
-    ws = stack_mod.Workspace(tmp_path / "ws")
+    ws = workspace.Workspace(tmp_path / "ws")
     shutil.copytree(tiny_data, ws.tokenized)
     broken = tmp_path / "broken-install"
     broken.mkdir()
@@ -211,10 +212,10 @@ def test_trainer_that_cannot_start_is_stopped_after_two_launches_and_status_show
     proc = stack("up", "-d", "--env-file", str(env_file), "--workspace", str(ws.root), env=env)
     try:
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        final = wait_for(lambda: (stack_mod.read_json(ws.state_file) or {}).get("final"), 180, "the watchdog's decision")
+        final = wait_for(lambda: (workspace.read_json(ws.state_file) or {}).get("final"), 180, "the watchdog's decision")
         assert (final["exit_code"], final["reason"], final["trainer_exit_code"]) == (81, "startup-failure", 1)
         assert "libcudart.so.13: cannot open shared object file" in final["error"]
-        kinds = [e["event"] for e in stack_mod.read_events(ws)]
+        kinds = [e["event"] for e in workspace.read_events(ws)]
         assert kinds == ["start", "exit", "relaunch", "start", "exit", "startup_failure"]
 
         status = stack("status", "--workspace", str(ws.root), timeout=60)
@@ -225,8 +226,8 @@ def test_trainer_that_cannot_start_is_stopped_after_two_launches_and_status_show
         wait_for(lambda: "final decision: startup-failure (exit 81)" in ws.log("stack").read_text(), 30,
                  "the runner's report")
         time.sleep(3)
-        assert [e["event"] for e in stack_mod.read_events(ws)] == kinds  # no third launch
-        assert stack_mod.trainer_pid(ws) is None
+        assert [e["event"] for e in workspace.read_events(ws)] == kinds  # no third launch
+        assert workspace.trainer_pid(ws) is None
     finally:
         stack("down", "--workspace", str(ws.root))
 
@@ -237,7 +238,7 @@ def test_trainer_that_cannot_start_is_stopped_after_two_launches_and_status_show
 
 class Live:
     def __init__(self, ws: Path, env_file: Path, settings: dict[str, str]) -> None:
-        self.ws = stack_mod.Workspace(ws)
+        self.ws = workspace.Workspace(ws)
         self.env_file = env_file
         self.settings = settings
 
@@ -250,7 +251,7 @@ class Live:
         return json.loads(proc.stdout)
 
     def events(self) -> list[dict]:
-        return stack_mod.read_events(self.ws)
+        return workspace.read_events(self.ws)
 
     def kinds(self) -> list[tuple]:
         return [(e["event"], e.get("exit_code"), e.get("stop_requested")) for e in self.events()]
@@ -317,7 +318,7 @@ def test_up_starts_every_service_healthy_with_a_log_each_and_the_trainer_trains(
         url = f"http://127.0.0.1:{live.settings['PROMETHEUS_HOST_PORT']}/api/v1/query?query=" + urllib.parse.quote("up")
 
         def all_up() -> bool:
-            result = stack_mod.http_json(url)["data"]["result"]
+            result = process.http_json(url)["data"]["result"]
             return {r["metric"]["job"]: r["value"][1] for r in result} == {
                 "trainer": "1", "budget-sidecar": "1", "watchdog": "1"}
 
@@ -358,7 +359,7 @@ def test_a_second_up_is_refused_and_leaves_the_running_stack_alone(live):
 
 @pytest.mark.slow
 def test_sigterm_to_the_trainer_is_a_preemption_the_watchdog_relaunches(live):
-    pid = stack_mod.trainer_pid(live.ws)
+    pid = workspace.trainer_pid(live.ws)
     assert pid is not None
     os.kill(pid, signal.SIGTERM)
     wait_for(lambda: len(live.events()) >= 4, 120, "the relaunch")
@@ -382,8 +383,8 @@ def test_down_stops_the_trainer_first_with_its_emergency_checkpoint_recorded_as_
     assert (live.ws.checkpoints / "latest").read_text().strip() == f"step_{step:08d}"
     assert all(L.proc_start_ticks(pid) is None for pid in pids.values())  # every process gone
     assert not (live.ws.root / L.LEASE_FILE).exists() and not (live.ws.checkpoints / L.LEASE_FILE).exists()
-    for var in stack_mod.PORT_VARS.values():
-        assert stack_mod.port_is_free(int(live.settings[var])), var
+    for var in workspace.PORT_VARS.values():
+        assert workspace.port_is_free(int(live.settings[var])), var
     stack_log = live.ws.log("stack").read_text()
     order = [stack_log.index(f"{name:15s} stopped") for name in ("watchdog", "budget-sidecar", "mlflow-server")]
     assert order == sorted(order)  # the trainer (through the watchdog) first
@@ -409,9 +410,9 @@ def test_up_after_a_power_cut_takes_the_dead_runners_lease_over_and_continues_th
     live.wait_training_past(int(re.findall(r"resuming from .* at step (\d+)", live.trainer_log())[-1]) + 2)
     # The pod stops: every process dies at once, no handler runs, the leases stay behind.
     doomed = live.processes()
-    doomed["trainer"] = stack_mod.trainer_pid(live.ws)
+    doomed["trainer"] = workspace.trainer_pid(live.ws)
     for pid in doomed.values():
-        stack_mod.signal_group(pid, signal.SIGKILL) if pid != doomed["runner"] else os.kill(pid, signal.SIGKILL)
+        process.signal_group(pid, signal.SIGKILL) if pid != doomed["runner"] else os.kill(pid, signal.SIGKILL)
     wait_for(lambda: all(L.proc_start_ticks(p) is None for p in doomed.values()), 30, "every process dead")
     latest = (live.ws.checkpoints / "latest").read_text().strip()
     resumes = live.trainer_log().count("resuming from")
@@ -428,8 +429,8 @@ def test_up_after_a_power_cut_takes_the_dead_runners_lease_over_and_continues_th
 
 @pytest.mark.slow
 def test_a_finished_run_is_final_and_up_again_does_not_relaunch_it(live):
-    wait_for(lambda: (stack_mod.read_json(live.ws.state_file) or {}).get("final"), 400, "the run to finish")
-    final = stack_mod.read_json(live.ws.state_file)["final"]
+    wait_for(lambda: (workspace.read_json(live.ws.state_file) or {}).get("final"), 400, "the run to finish")
+    final = workspace.read_json(live.ws.state_file)["final"]
     assert (final["exit_code"], final["reason"]) == (0, "finished")
     assert (live.ws.checkpoints / "final.safetensors").is_file()
     # The watchdog holds (compose's restart policy would loop an exiting one): the stack stays up.
@@ -442,7 +443,7 @@ def test_a_finished_run_is_final_and_up_again_does_not_relaunch_it(live):
     assert "final decision: finished (exit 0" in proc.stdout
     wait_for(lambda: "holds a final decision" in live.ws.log("watchdog").read_text(), 60, "the watchdog's refusal")
     time.sleep(3)
-    assert [k for k, *_ in live.kinds()].count("start") == starts and stack_mod.trainer_pid(live.ws) is None
+    assert [k for k, *_ in live.kinds()].count("start") == starts and workspace.trainer_pid(live.ws) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from x1_common import contracts as C
-from x1_pretrain.stack.runner import Workspace, collect_status, render_status
+from x1_pretrain.stack.status import collect_status, render_status
+from x1_pretrain.stack.workspace import Workspace
 from x1_watchdog.metrics import WatchdogMetrics
 from x1_watchdog.records import EventLog
 

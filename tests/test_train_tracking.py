@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import cli_env, free_port, run_module, start_trainer, train_args
 from x1_common.contracts import Heartbeat
-from x1_pretrain.stack.runner import Service, mlflow_server, signal_group, wait_until
+from x1_pretrain.stack.process import Service, mlflow_server, signal_group, wait_until
 
 STEPS = 60  # logs every 5 steps (train_args), evals every 20
 

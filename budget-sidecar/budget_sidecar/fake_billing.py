@@ -41,6 +41,8 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from x1_common.logs import setup_logging
+
 FAIL_MODES = ("none", "500", "timeout", "garbage")
 DEFAULT_TYPES = {"lambda": "gpu_1x_a100_sxm4", "runpod": "NVIDIA A100 80GB PCIe"}
 
@@ -663,8 +665,6 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be 0..65535, got {args.port}")
     import uvicorn
-
-    from x1_common.logs import setup_logging
 
     setup_logging()
     cloud = FakeCloud(

@@ -45,7 +45,9 @@ from x1_launch import cloud, remote, verify
 from x1_launch.remote import STACKS, Layout
 from x1_launch.ssh import Remote, SSHError
 from x1_launch.state import InstanceRecord, StateDir, StateError, utc_now
+from x1_pretrain.run.plan import main as plan_main
 from x1_pretrain.stack.services import DEFAULTS, SettingsError, read_env_file
+from x1_pretrain.stack.status import describe_decision
 
 PROVIDER_DISPLAY = {"lambda": "Lambda", "runpod": "RunPod"}
 INTERRUPTED = 130
@@ -509,7 +511,6 @@ def render_status(rec: InstanceRecord, inst: Instance | None, st: dict[str, Any]
             lines.append("services  " + ", ".join(f"{n} {s.get('health') or ('up' if s.get('running') else 'DOWN')}"
                                                   for n, s in services.items()))
         w = st.get("watchdog") or {}
-        from x1_pretrain.stack.runner import describe_decision
 
         lines.append(f"restarts  {w.get('restarts_total') or 0} of the trainer on the instance"
                      + restart_summary(state, rec))
@@ -725,8 +726,6 @@ def confirm_gone(client: LambdaClient | RunPodClient, instance_id: str, timeout:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from x1_pretrain.run.plan import main as plan_main
-
     return int(plan_main(args.plan_args) or 0)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from x1_common.contracts import scrub_record
 from x1_common.fsutil import sha256_file, write_json_atomic
 from x1_pretrain.run import dod
+from x1_pretrain.run.dod import termination_facts
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,6 @@ def verify_run(run_dir: Path, band: tuple[float, float] | list[float] | None, te
 def add_termination(run_dir: Path, record: dict[str, Any]) -> str:
     """The provider's answer as run_dir/termination.json, the manifest's `termination` and dod.json's
     check 6 updated (what the watchdog's --terminate-on-finish does on the instance)."""
-    from x1_pretrain.run.export import termination_facts
-
     target = run_dir / "termination.json"
     write_json_atomic(target, scrub_record(record))
     manifest_path = run_dir / "manifest.json"

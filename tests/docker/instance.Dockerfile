@@ -23,7 +23,9 @@ COPY pyproject.toml ./
 RUN --mount=type=secret,id=build-ca \
     if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
     && touch README.md \
-    && for d in x1_common trainer/x1_pretrain budget-sidecar/budget_sidecar watchdog/x1_watchdog launcher/x1_launch; do \
+    && for d in x1_common trainer/x1_pretrain trainer/x1_pretrain/ops trainer/x1_pretrain/model trainer/x1_pretrain/data \
+        trainer/x1_pretrain/checkpoint trainer/x1_pretrain/train trainer/x1_pretrain/run trainer/x1_pretrain/stack \
+        budget-sidecar/budget_sidecar watchdog/x1_watchdog launcher/x1_launch; do \
         mkdir -p "$d" && touch "$d/__init__.py"; done \
     && python -m pip list --format=freeze | grep -iE '^(torch|numpy)==' > /tmp/x1-keep.txt \
     && python -m pip install --no-cache-dir -q '.[trainer,sidecar,watchdog,mlflow]' -c /tmp/x1-keep.txt \

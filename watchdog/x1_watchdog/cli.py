@@ -15,10 +15,12 @@ from x1_common.contracts import WATCHDOG_METRICS_PORT, ExitCode
 from x1_common.lease import Lease, LeaseError, LeaseHeld, LeaseKind
 from x1_common.logs import setup_logging
 from x1_common.providers import PROVIDERS, api_key_from_env, make_client
+from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
 from x1_watchdog.finish import Terminator
 from x1_watchdog.handles import ProcessHandle, StartError, TrainerHandle
 from x1_watchdog.metrics import WatchdogMetrics
 from x1_watchdog.policy import RestartPolicy, StallDetector
+from x1_watchdog.provider import InstanceKeeper, LaunchSpec
 from x1_watchdog.records import EventLog, StateError, StateStore
 from x1_watchdog.supervisor import StopRequest, Supervisor, SupervisorSettings
 
@@ -257,8 +259,6 @@ def ensure_writable_dir(path: Path, option: str) -> None:
 
 def make_handle(args: argparse.Namespace, command: list[str], metrics: WatchdogMetrics) -> TrainerHandle:
     if args.mode == "docker":
-        from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
-
         return DockerHandle(args.container, socket_path=args.docker_socket, on_engine=metrics.docker_engine)
     return ProcessHandle(command, log_path=args.trainer_log)
 
@@ -313,8 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     if args.mode == "provider":
-        from x1_watchdog.provider import InstanceKeeper, LaunchSpec
-
         client = make_client(args.provider, args.api_url, api_key_from_env(args.provider))
         launch = LaunchSpec(
             instance_type=args.instance_type,

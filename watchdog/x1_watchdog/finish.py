@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from x1_common.contracts import ExitCode, scrub_record
 from x1_common.fsutil import sha256_file, write_json_atomic
 from x1_common.providers import Instance, ProviderError
+from x1_pretrain.run.dod import recheck_termination, termination_facts
 from x1_watchdog.records import EventLog, StateStore, iso_time
 from x1_watchdog.supervisor import Alerter
 
@@ -168,9 +169,6 @@ class Terminator:
                       run_dir, self.termination_file, run_dir)
             return f"missing: no manifest.json in {run_dir}"
         try:
-            from x1_pretrain.run.dod import recheck_termination
-            from x1_pretrain.run.export import termination_facts
-
             target = run_dir / "termination.json"
             write_json_atomic(target, scrub_record(record))
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))

@@ -50,8 +50,8 @@ import torch
 
 from x1_common.contracts import format_utc, parse_json_strict, read_file_bytes, read_json_file, utc_now
 from x1_common.fsutil import fsync_dir, sha256_file, write_bytes_atomic, write_text_atomic
-from x1_pretrain.checkpoint.weights import weights_bytes
-from x1_pretrain.config import ModelConfig
+from x1_pretrain.checkpoint.weights import read_metadata, read_weights, weights_bytes
+from x1_pretrain.config import ConfigError, ModelConfig
 
 log = logging.getLogger("x1.checkpoint")
 
@@ -318,8 +318,6 @@ class Checkpointer:
         only with a warning that names both steps (a run extended with a larger --total-steps)."""
         weights = self.root / FINAL_WEIGHTS
         if weights.is_file():
-            from x1_pretrain.checkpoint.weights import read_metadata
-
             try:
                 old_step = read_metadata(weights).get("step")
             except Exception as e:  # noqa: BLE001 - any unreadable final is replaced, and said so
@@ -418,11 +416,8 @@ class Checkpointer:
 
     def load(self, path: Path, map_location: str | torch.device = "cpu") -> Loaded:
         """A verified folder's contents; CheckpointError naming the folder when any part will not load."""
-        from x1_pretrain.checkpoint.weights import load_weights
-        from x1_pretrain.config import ConfigError
-
         try:
-            model_state, _, _ = load_weights(path / MODEL_FILE)
+            model_state, _, _ = read_weights(path / MODEL_FILE)
             optim_state = load_optimizer_file(path / OPTIM_FILE, map_location)
             state = TrainerState.from_json(read_file_bytes(path / STATE_FILE))
         except CheckpointRefused:

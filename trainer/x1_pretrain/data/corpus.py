@@ -28,6 +28,7 @@ from pathlib import Path
 
 from x1_common.contracts import ExitCode
 from x1_common.fsutil import fsync_dir
+from x1_pretrain.data.tokenizer import encode_document_array
 
 MB = 1_000_000  # sizes here are MB of UTF-8 text, 10^6 bytes
 FILE_PREFIX = "docstrings"
@@ -185,8 +186,6 @@ def fineweb_schema():  # -> pa.Schema; pyarrow is imported lazily so --help stay
 def _write_parquet_file(path: Path, docs: list[Document], dump: str, row_group_rows: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from x1_pretrain.data.tokenizer import encode_document_array
 
     n = len(docs)
     table = pa.table(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from x1_common.contracts import read_json_file
+from x1_common.fsutil import write_json_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -148,8 +149,6 @@ def check_token_ids(data_dir: Path, files: dict[str, np.ndarray], vocab_size: in
         changed = True
     if changed:
         try:
-            from x1_common.fsutil import write_json_atomic
-
             write_json_atomic(cache_path, cache)
         except OSError as e:  # a read-only data folder: the check simply reruns next launch
             log.warning("could not cache the token id check in %s (%s)", cache_path, e)

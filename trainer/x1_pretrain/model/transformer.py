@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from x1_pretrain.config import ModelConfig
 from x1_pretrain.ops import cublaslt
+from x1_pretrain.ops.kernels import normed_linear, rope_qkv, swiglu, wgrad_accumulate
+from x1_pretrain.ops.losses import fused_cross_entropy, head_cross_entropy
 
 try:  # flash-attn, where installed, runs only when the config asks (model.attention); SDPA is the same math
     from flash_attn import flash_attn_func  # type: ignore[import-not-found]
@@ -129,8 +131,6 @@ class _LinearIntoAcc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        from x1_pretrain.ops.kernels import wgrad_accumulate
-
         x, copy, acc = ctx.saved_tensors
         wgrad_accumulate(acc, dy, x, ctx.lt)
         return cublaslt.matmul(dy, copy, ctx.lt), None, None, None
@@ -182,8 +182,6 @@ class Attention(nn.Module):
         B, T, _ = qkv.shape
         H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
         if self.fused and cache is None and FUSED_ROPE:
-            from x1_pretrain.ops.kernels import rope_qkv
-
             q, k, v = rope_qkv(qkv, cos, sin, H, Hkv, scale)
         else:  # q and k rotated as one tensor: one kernel each way instead of two
             if scale is not None:
@@ -230,8 +228,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, copies: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         gate_up = _linear(x, self.w_gate_up, copies, "w_gate_up", self.lt)
         if self.fused and FUSED_SWIGLU:
-            from x1_pretrain.ops.kernels import swiglu
-
             h = swiglu(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -264,8 +260,6 @@ class Block(nn.Module):
                 copies: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """The same block, its norms folded into wqkv and w_gate_up: the normed activations are
         never written, and RoPE's and SwiGLU's kernels apply the norms' per-token scale."""
-        from x1_pretrain.ops.kernels import normed_linear, swiglu
-
         lt = self.attn.lt
         qkv, r = normed_linear(x, self.attn.wqkv.weight, self.attn_norm.weight, self.attn_norm.eps,
                                _copy(copies, "wqkv_folded"), _acc(copies, "wqkv_folded"), lt)
@@ -355,16 +349,12 @@ class Transformer(nn.Module):
         else:
             w = copies["head"]
         if self.fused_loss and FUSED_HEAD_GRAD and torch.is_grad_enabled():
-            from x1_pretrain.ops.losses import head_cross_entropy
-
             if torch.is_autocast_enabled(h.device.type):  # the casts autocast gives the head's F.linear
                 dtype = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dtype), w.to(dtype)
             return head_cross_entropy(h, w, targets, self.cfg.vocab_size, acc, self.lt)
         logits = F.linear(h, w) if acc is None else _LinearIntoAcc.apply(h, w, acc, self.lt)  # (B, T, padded V); tied head
         if self.fused_loss:
-            from x1_pretrain.ops.losses import fused_cross_entropy
-
             return fused_cross_entropy(logits, targets, self.cfg.vocab_size)
         # Padded columns never count: slice them off before the softmax.
         logits = logits[..., : self.cfg.vocab_size].float()

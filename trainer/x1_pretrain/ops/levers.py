@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from x1_pretrain.config import RunConfig
+from x1_pretrain.ops import cublaslt
+from x1_pretrain.ops.kernels import addmm_into_fp32
+from x1_pretrain.ops.losses import triton_runs
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +115,14 @@ class LeverTable:
 
 
 def _probe_triton(device: torch.device) -> bool:
-    from x1_pretrain.ops.losses import triton_runs
-
     return triton_runs(device)
 
 
 def _probe_cublaslt() -> bool:
-    from x1_pretrain.ops import cublaslt
-
     return cublaslt.available()
 
 
 def _probe_addmm_out_dtype(device: torch.device) -> bool:
-    from x1_pretrain.ops.kernels import addmm_into_fp32
-
     return addmm_into_fp32(device)
 
 

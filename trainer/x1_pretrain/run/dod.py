@@ -29,6 +29,8 @@ from typing import Any
 
 from x1_common.contracts import ExitCode, format_utc, utc_now
 from x1_common.fsutil import sha256_file, write_json_atomic
+from x1_pretrain.run.record import ExportError
+from x1_pretrain.train.forecast_rule import summary_text
 
 DEFAULT_BAND = (3.20, 3.50)
 LAB_CAP_USD = 35.0
@@ -100,7 +102,6 @@ def check_val_loss(manifest: dict[str, Any] | None, band: tuple[float, float]) -
         return Check(2, name, False, "the manifest has no final_val_loss (the run never evaluated?)")
     where = f" (step {manifest['final_val_loss_step']})" if manifest.get("final_val_loss_step") is not None else ""
     # Did the run match the predictions? Its own forecast at 10/25/50%, and the Chinchilla figure.
-    from x1_pretrain.train.forecast import summary_text
 
     chinchilla = manifest.get("predicted_val_loss")
     beside = f"; {summary_text(manifest.get('forecast'))}" + (
@@ -112,10 +113,13 @@ def check_val_loss(manifest: dict[str, Any] | None, band: tuple[float, float]) -
 
 def check_weights(run_dir: Path, manifest: dict[str, Any] | None) -> Check:
     """sha256 against the manifest, then load -> save -> compare bytes and every tensor."""
+    # torch, and the weights modules built on it, only here: the other checks run where torch is
+    # not installed (the laptop's `x1 down` verify, the watchdog's image).
     import torch
     from safetensors.torch import load as load_bytes
 
-    from x1_pretrain.checkpoint.weights import load_weights, weights_bytes
+    from x1_pretrain.checkpoint.load import load_weights
+    from x1_pretrain.checkpoint.weights import weights_bytes
 
     name = "final.safetensors round trip"
     path = run_dir / "final.safetensors"
@@ -314,6 +318,48 @@ def report(run_dir: Path, checks: list[Check], band: tuple[float, float]) -> dic
     return {"run_dir": str(run_dir.resolve()), "passed": all(c.ok for c in checks), "checked_utc": format_utc(utc_now()),
             "band": list(band), "pending": [c.number for c in checks if c.pending],
             "checks": [asdict(c) for c in checks]}
+
+
+def _find_instance_type(obj: Any) -> str | None:
+    """The instance type anywhere in a provider record: Lambda's instance_type.name, RunPod's
+    machine.gpuDisplayName or gpuTypeId."""
+    if isinstance(obj, dict):
+        it = obj.get("instance_type")
+        if isinstance(it, dict) and isinstance(it.get("name"), str):
+            return it["name"]
+        for key in ("gpuDisplayName", "gpuTypeId"):
+            if isinstance(obj.get(key), str):
+                return obj[key]
+        values = list(obj.values())
+    elif isinstance(obj, list):
+        values = obj
+    else:
+        return None
+    for v in values:
+        found = _find_instance_type(v)
+        if found:
+            return found
+    return None
+
+
+def termination_facts(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    if path.suffix.lower() == ".png":
+        return {"file": "termination.png", "source": str(path), "kind": "screenshot"}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"termination record {path}: not JSON ({e})") from None
+    evidence = termination_evidence(record)
+    facts = {"file": "termination.json", "source": str(path), "kind": "provider record",
+             "shows_terminated": evidence is not None, "evidence": evidence}
+    if isinstance(record, dict):
+        for key in ("provider", "instance_id", "time"):
+            if isinstance(record.get(key), str):
+                facts[key] = record[key]
+    facts["instance_type"] = _find_instance_type(record)
+    return facts
 
 
 def recheck_termination(run_dir: Path) -> Check | None:

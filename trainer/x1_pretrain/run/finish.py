@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 from x1_common.contracts import ExitCode, move_uri_credentials_to_env
+from x1_pretrain.run import dod, postmortem
+from x1_pretrain.run import export as export_run
 
 log = logging.getLogger("x1.finish")
 
@@ -34,9 +36,6 @@ def write_run_folder(mlflow_uri: str, output: Path, *, run_id: str | None = None
     """export_run -> postmortem -> dod. Returns 0 when the folder is complete and checks 1-5 pass,
     1 when a check fails, 2 when the export or the post-mortem could not be written. Never raises:
     the trainer calls this after its final exit and must still exit with its own code."""
-    from x1_pretrain.run import dod, postmortem
-    from x1_pretrain.run import export as export_run
-
     which = ["--run-id", run_id] if run_id else []
     export = ["--mlflow-uri", mlflow_uri, "--output", str(output), *which, *(extra_export or [])]
     if ckpt_dir is not None:

@@ -41,9 +41,10 @@ from safetensors.torch import save_file
 
 from x1_common.contracts import ExitCode
 from x1_common.fsutil import make_readable
-from x1_pretrain.checkpoint.weights import FORMAT, load_weights
+from x1_pretrain.checkpoint.load import load_weights
+from x1_pretrain.checkpoint.weights import FORMAT
 from x1_pretrain.config import ConfigError, ModelConfig
-from x1_pretrain.data.tokenizer import EOT_TOKEN
+from x1_pretrain.data.tokenizer import EOT_TOKEN, gpt2_vocab_files
 from x1_pretrain.run.outputs import NotOurFiles, place
 
 EOT_TEXT = "<|endoftext|>"
@@ -222,8 +223,6 @@ def write_export(output: Path, state: dict[str, torch.Tensor], cfg: ModelConfig,
     _write_json(output / "config.json", llama_config(cfg, dtype))
     _write_json(output / "generation_config.json", generation_config())
     if with_tokenizer:
-        from x1_pretrain.data.tokenizer import gpt2_vocab_files
-
         vocab_bpe, encoder_json = gpt2_vocab_files()
         shutil.copyfile(encoder_json, output / "vocab.json")
         shutil.copyfile(vocab_bpe, output / "merges.txt")

@@ -38,6 +38,7 @@ from x1_pretrain.train.accounting import (
     steps_that_fit,
     usd,
 )
+from x1_pretrain.train.forecast_rule import rule_text
 
 PROVIDER_DISPLAY = {"lambda": "Lambda", "runpod": "RunPod", "static": "on-prem"}
 # What each provider sells: Lambda on-demand instances only (no spot market); RunPod interruptible
@@ -277,7 +278,6 @@ def render(plan: Plan, cfg: RunConfig) -> str:
     lines.append(f"Proposed: --total-steps {plan.proposed_total_steps} (~{plan.proposed_hours:.1f} h with setup = "
                  f"{usd(plan.cost_usd)} at {usd(plan.price_usd_per_hr)}/h"
                  + (f", {usd(plan.total_usd)} with the other lines" if plan.extras_usd else "") + ")")
-    from x1_pretrain.train.forecast_rule import rule_text
 
     lines.append(rule_text(plan.proposed_total_steps, cfg.optim.warmup_steps, cfg.train.eval_every, cfg.train.log_every))
     if plan.tokens_per_sec_source.startswith("given"):

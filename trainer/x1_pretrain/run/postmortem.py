@@ -23,7 +23,8 @@ from pathlib import Path
 
 from x1_common.contracts import ExitCode, format_utc, move_uri_credentials_to_env, utc_now
 from x1_common.fsutil import current_umask, write_text_atomic
-from x1_pretrain.run.export import ExportError, RunRecord, Series, load_run, safe_uri
+from x1_pretrain.run import plots
+from x1_pretrain.run.record import ExportError, RunRecord, Series, load_run, safe_uri
 from x1_pretrain.train.spikes import SpikeDetector
 
 RECOVERY_TOLERANCE = 0.02  # "back within 2% of the pre-spike EMA"
@@ -356,8 +357,6 @@ def _log_every(record: RunRecord, notes: list[str]) -> int | None:
 
 def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
     """The markdown text and the plots written beside it."""
-    from x1_pretrain.run import plots
-
     notes: list[str] = []
     beta = _param(record, "train.spike_ema_beta", notes)
     factor = _param(record, "train.spike_factor", notes)

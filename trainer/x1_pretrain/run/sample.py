@@ -23,7 +23,7 @@ import time
 import torch
 
 from x1_common.contracts import ExitCode
-from x1_pretrain.checkpoint.weights import model_from_weights
+from x1_pretrain.checkpoint.load import model_from_weights
 from x1_pretrain.config import ConfigError
 from x1_pretrain.data.tokenizer import EOT_TOKEN, encode_document, gpt2_encoding
 from x1_pretrain.model.transformer import KVCache, Transformer

@@ -29,20 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from x1_pretrain.stack.runner import (
+from x1_pretrain.stack.process import Service, signals_ignored, wait_until
+from x1_pretrain.stack.workspace import (
     REPO,
     TINY_CONFIG,
     Ports,
-    Service,
     StackError,
     Workspace,
     choose_ports,
     read_events,
     read_json,
-    signals_ignored,
     trainer_pid,
-    wait_until,
 )
+from x1_pretrain.train.lease import probe
 
 # ---------------------------------------------------------------------------------------------
 # The demo's numbers, and why
@@ -309,8 +308,6 @@ def prepare_data(ws: Workspace, steps: OneShots, console: Console) -> None:
 
 
 def stack_running(ws: Workspace) -> bool:
-    from x1_pretrain.train.lease import probe
-
     return probe(ws.root).alive
 
 

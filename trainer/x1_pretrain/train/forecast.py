@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from x1_common.contracts import MLFLOW_FORECAST_METRICS, ExitCode
+from x1_common.fsutil import write_json_atomic
 from x1_pretrain.train.forecast_rule import (
     DEFAULT_BAND,
     LAW,
@@ -387,15 +389,13 @@ class ForecastWatch:
         """At an eval: the forecast, its `forecast:` line, MLflow metrics and /metrics gauges, the alert
         once per crossing. Returns 80 (ExitCode.FORECAST_STOP) when asked to stop and the interval
         lies outside the band, else 0. `projection`: the budget guard's (budget_guard.Projection) or None."""
-        from x1_common import contracts as C
-
         f, crossed = self.at_eval(step, val_loss)
         out = f.outside(*self.band)
         if self.alerts is None:  # not rank 0: the same decision, said by rank 0
-            return int(C.ExitCode.FORECAST_STOP) if out and self.stop_outside else 0
+            return int(ExitCode.FORECAST_STOP) if out and self.stop_outside else 0
         log.info("%s", f.line())
         if f.ready:
-            sink.log(step, dict(zip(C.MLFLOW_FORECAST_METRICS, (f.value, f.low, f.high), strict=True)))
+            sink.log(step, dict(zip(MLFLOW_FORECAST_METRICS, (f.value, f.low, f.high), strict=True)))
             sink.prom.forecast.set(f.value)
             sink.prom.forecast_low.set(f.low)
             sink.prom.forecast_high.set(f.high)
@@ -412,7 +412,7 @@ class ForecastWatch:
                               "to_finish_usd": to_finish})
         if out and self.stop_outside:
             self.last_alert = self.last_alert or self.alert_text(f, None, None)
-            return int(C.ExitCode.FORECAST_STOP)
+            return int(ExitCode.FORECAST_STOP)
         return 0
 
     def alert_text(self, f: Forecast, spent_usd: float | None, to_finish_usd: float | None) -> str:
@@ -453,20 +453,6 @@ def forecast_summary(history: list[dict[str, float]], total_steps: int | None, f
     return {"law": LAW, "interval": "calibrated 90% (docs/FORECAST.md)", "history": history, "at": at,
             "final_val_loss": final}
 
-
-def summary_text(summary: dict[str, Any] | None) -> str:
-    """One line for `dod`: what the forecast said at 10/25/50% of the run, against the final value."""
-    if not summary:
-        return "forecast: none logged"
-    parts = []
-    for key, h in summary["at"].items():
-        if h is None:
-            parts.append(f"{key}: not yet")
-        else:
-            held = "" if "held" not in h else (", held" if h["held"] else ", missed")
-            err = f" ({h['error']:+.3f}{held})" if "error" in h else ""
-            parts.append(f"{key}: {h['value']:.3f} [{h['low']:.3f}, {h['high']:.3f}]{err}")
-    return "forecast at " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -718,8 +704,6 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate(runs)
         print(render_table(rows))
         if args.json:
-            from x1_common.fsutil import write_json_atomic
-
             write_json_atomic(args.json, rows)
         return 0
     meta = json.loads(args.curves.read_text())

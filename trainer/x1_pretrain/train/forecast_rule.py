@@ -4,6 +4,8 @@ that `plan` prints, in the standard library alone (plan runs on a laptop without
 
 from __future__ import annotations
 
+from typing import Any
+
 LAW = "lr-annealing"  # the law the trainer forecasts with
 MIN_VAL_POINTS = 2  # evals after the warm-up, at least
 MIN_POINTS = 6  # evals and train bins after the warm-up together, at least
@@ -33,3 +35,18 @@ def rule_text(total_steps: int, warmup_steps: int, eval_every: int, log_every: i
             f"past the warm-up and {MIN_POINTS} points in all (law {LAW}, decay term from complete runs). An alert "
             f"when its interval lies wholly outside --forecast-band (default {band[0]:.2f}-{band[1]:.2f}), once per "
             "crossing; with --stop-when-forecast-misses-band the run then stops with a checkpoint, exit 80")
+
+
+def summary_text(summary: dict[str, Any] | None) -> str:
+    """One line for `dod`: what the forecast said at 10/25/50% of the run, against the final value."""
+    if not summary:
+        return "forecast: none logged"
+    parts = []
+    for key, h in summary["at"].items():
+        if h is None:
+            parts.append(f"{key}: not yet")
+        else:
+            held = "" if "held" not in h else (", held" if h["held"] else ", missed")
+            err = f" ({h['error']:+.3f}{held})" if "error" in h else ""
+            parts.append(f"{key}: {h['value']:.3f} [{h['low']:.3f}, {h['high']:.3f}]{err}")
+    return "forecast at " + "; ".join(parts)

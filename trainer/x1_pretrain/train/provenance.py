@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+import x1_pretrain.train.tracking  # noqa: F401 - MLflow's client settings: no retries, a 10 s timeout
 from x1_common.contracts import format_utc, read_json_file, utc_now
 from x1_common.fsutil import write_json_atomic
 
@@ -140,8 +141,6 @@ def run_exists(uri: str, run_id: str) -> bool | None:
         return False
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
-
-    import x1_pretrain.train.tracking  # noqa: F401 - MLflow's client settings: no retries, a 10 s timeout
 
     try:
         MlflowClient(tracking_uri=uri).get_run(run_id)

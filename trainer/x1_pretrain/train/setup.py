@@ -19,22 +19,37 @@ from typing import Any
 import numpy as np
 import torch
 
+from x1_common.alerts import AlertSender
 from x1_common.contracts import ExitCode
 from x1_common.fsutil import write_json_atomic
-from x1_pretrain.checkpoint.store import OPTIM_FILE, Checkpointer, CheckpointError, TrainerState, restore_rng
+from x1_pretrain.checkpoint.store import (
+    MODEL_FILE,
+    OPTIM_FILE,
+    Checkpointer,
+    CheckpointError,
+    TrainerState,
+    restore_rng,
+)
+from x1_pretrain.checkpoint.weights import state_mismatch
 from x1_pretrain.config import ConfigError, RunConfig
+from x1_pretrain.data import loader as data_mod
 from x1_pretrain.data.loader import split_window
 from x1_pretrain.model.transformer import Bf16Weights, Transformer, attention_backend, param_groups
-from x1_pretrain.ops import levers
+from x1_pretrain.ops import float8, levers
+from x1_pretrain.ops.float8 import unsupported
+from x1_pretrain.ops.kernels import addmm_into_fp32
+from x1_pretrain.ops.losses import fused_available
 from x1_pretrain.train import distributed as D
 from x1_pretrain.train import preflight, provenance
 from x1_pretrain.train.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
-from x1_pretrain.train.budget_guard import Pace
+from x1_pretrain.train.budget_guard import BudgetGuard, Pace
 from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfigError, Run, StopSignal, Throughput
+from x1_pretrain.train.forecast import ForecastError, ForecastWatch
 from x1_pretrain.train.lease import take_trainer_lease
 from x1_pretrain.train.loop import forward_backward
 from x1_pretrain.train.resume import check_provenance, load_optimizer, resume_point, write_budget_stop
 from x1_pretrain.train.spikes import SpikeDetector, SpikeInjector
+from x1_pretrain.train.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
 
 log = logging.getLogger("x1.train")
 
@@ -65,9 +80,6 @@ def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -
 
 def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool):
     """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept."""
-    from x1_common.alerts import AlertSender
-    from x1_pretrain.train.forecast import ForecastError, ForecastWatch
-
     alerts = None
     if is_main:
         try:
@@ -207,7 +219,6 @@ def earlier_start(cfg: RunConfig) -> dict[str, Any]:
 
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str,
                    extra_tags: dict[str, str] | None = None):
-    from x1_pretrain.train.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
 
     # Several hosts: every host's first process beats, for that host's watchdog, saying which it is.
     node = {"rank": d.rank, "node_rank": d.node.rank, "nnodes": d.node.count, "hostname": d.node.hostname}
@@ -363,9 +374,6 @@ def halve_micro_batch(run: Run) -> None:
 
 
 def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | int:
-    from x1_pretrain.data import loader as data_mod
-    from x1_pretrain.train.budget_guard import BudgetGuard
-
     started = time.monotonic()  # the start-up a restart costs is measured from here (budget_guard.Pace)
     check_device(cfg)
     check_paths(cfg)
@@ -380,8 +388,6 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     if d.is_main:
         lever_table.log()
     if cfg.train.float8 != "off":  # before anything is read or written
-        from x1_pretrain.float8 import unsupported
-
         problem = unsupported(d.device) or levers.float8_problem(features)
         if problem is not None:
             raise DataOrConfigError(f"train.float8={cfg.train.float8}: {problem}; or --set train.float8=off")
@@ -463,8 +469,6 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         try:
             raw.load_state_dict(loaded.model_state, strict=True)
         except RuntimeError:  # a verified folder whose tensors are not this model's
-            from x1_pretrain.checkpoint.store import MODEL_FILE
-            from x1_pretrain.checkpoint.weights import state_mismatch
 
             raise DataOrConfigError(f"{loaded.path / MODEL_FILE}: the weights do not fit this config's model: "
                                     f"{state_mismatch(raw, loaded.model_state)}") from None
@@ -478,8 +482,6 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     if cfg.train.residual == "bf16":
         raw.residual_dtype = torch.bfloat16
     if cfg.train.float8 != "off":
-        from x1_pretrain import float8
-
         float8.convert(raw, cfg.train.float8)
     if cfg.train.distributed == "fsdp2":
         D.wrap(raw, d, "fsdp2")
@@ -571,8 +573,6 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
     accumulate = cfg.train.grad_accumulation == "in-matmul"
     how = ""
     if accumulate:
-        from x1_pretrain.ops.kernels import addmm_into_fp32
-
         how = ("; weight gradients added in fp32 by their matmuls" if addmm_into_fp32(d.device) else
                "; weight gradients summed in fp32 buffers (this torch's matmul cannot add into fp32 itself: "
                "each product in bf16, then an add, as autograd's accumulation does)")
@@ -581,8 +581,6 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
 
 
 def use_kernels(choice: str, device: torch.device) -> bool:
-    from x1_pretrain.ops.losses import fused_available
-
     if choice == "torch":
         return False
     if not fused_available(device):

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from x1_pretrain.data.loader import rare_token_windows
+
 INJECT_STEPS = 5
 
 
@@ -80,7 +82,5 @@ class SpikeInjector:
         return f"injecting rare-token batches at steps {self.at_step}..{self.at_step + INJECT_STEPS - 1}"
 
     def windows(self, step: int, micro: int, count: int) -> np.ndarray:
-        from x1_pretrain.data.loader import rare_token_windows
-
         assert self.rare_ids is not None
         return rare_token_windows(self.rare_ids, self.seed, step, micro, self.rank, count, self.seq_len)
