@@ -15,7 +15,7 @@ help:
 	@echo "make test    - the test suite (creates $(VENV) when missing)"
 	@echo "make test-docker - only the tests on a real Docker Engine (as root, first: bash .ci/docker-setup)"
 	@echo "make install - create $(VENV) with every extra"
-	@echo "make lint    - ruff, hadolint, compose schema, promtool"
+	@echo "make lint    - ruff, lint-imports (the import contracts), hadolint, compose schema, promtool"
 	@echo "make bench-tokenize - tokenizer pipeline vs raw tiktoken, on this machine"
 	@echo "make bench-gpu      - the device command for the GPU throughput benchmark (see docs/PERFORMANCE.md)"
 
@@ -39,6 +39,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests/test_static_checks.py
 
 bench-tokenize: $(STAMP)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from budget_sidecar.app import build_poller, create_app, start_scheduler
 from budget_sidecar.settings import SidecarSettings
 from x1_common.contracts import SIDECAR_PORT, ExitCode
 from x1_common.lease import Lease, LeaseError, LeaseHeld, LeaseKind
@@ -93,8 +94,6 @@ def bind(host: str, port: int) -> socket.socket | None:
 
 
 def run_without_http(poller: Any) -> None:
-    from budget_sidecar.app import start_scheduler
-
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -112,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         print(f"error: {describe_validation_error(e)}", file=sys.stderr)
         return ExitCode.USAGE
-    from budget_sidecar.app import build_poller, create_app
 
     try:
         # One writer per budget.json (and its ledger): two sidecars would publish two spends in
@@ -144,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(settings, poller)
     # create_app with a given poller leaves scheduling to us: one scheduler whatever the HTTP mode.
-    from budget_sidecar.app import start_scheduler
 
     scheduler = start_scheduler(poller)
     try:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from budget_sidecar.price import check_until_acceptable
 from x1_common.contracts import ExitCode
 from x1_common.procs import proc_start_ticks
 from x1_common.providers import (
@@ -288,7 +289,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     # 1. the price against the ceiling (the budget_sidecar.price rule)
     con.say(f"launch 1/7: the price of {instance_type} on {PROVIDER_DISPLAY[args.provider]} (ceiling ${ceiling:.2f}/h)")
-    from budget_sidecar.price import check_until_acceptable
 
     seen: list[float] = []
 
