@@ -1,4 +1,4 @@
-"""compose.yaml and the process runner run the same services: x1_common.services, rendered in
+"""compose.yaml and the process runner run the same services: x1_pretrain.stack.services, rendered in
 compose mode, is compared with compose.yaml as compose reads it (PyYAML, compose's variable
 interpolation, and each `sh -c` command run with a stand-in `python` that records its arguments).
 
@@ -269,7 +269,7 @@ def test_every_setting_compose_reads_has_the_same_default_in_the_definition():
         if name in ("DOCKER_GID", "X1_WORKSPACE", "TORCH_VERSION", "TORCH_CUDA", "PYTHON_IMAGE", "TRAINER_FLOAT8", "TRAINER_SHM_SIZE",
                     "GRAFANA_HOST_PORT") or name.startswith("GF_"):
             continue  # build, volume and Grafana settings: not part of a service's command or environment
-        assert name in ours, f"compose.yaml reads {name}; x1_common.services.DEFAULTS does not know it"
+        assert name in ours, f"compose.yaml reads {name}; x1_pretrain.stack.services.DEFAULTS does not know it"
         if name == "RESULTS_DIR":  # the watchdog's /results mount needs a host path even when unset (unused then)
             defaults = defaults - {"/tmp/x1-results-unset"}
         assert defaults == {S.DEFAULTS[name]}, f"{name}: compose's default {defaults} vs {S.DEFAULTS[name]!r}"

@@ -88,7 +88,7 @@ class TrainerState:
     run_started: float = 0.0  # unix time of the run's first start (wall hours count from here)
     restarts: int = 0
     created_utc: str = ""
-    run_id: str = ""  # the run's identity, the same in every checkpoint of it (x1_pretrain.provenance)
+    run_id: str = ""  # the run's identity, the same in every checkpoint of it (x1_pretrain.train.provenance)
     corpus: dict[str, Any] = field(default_factory=dict)  # the corpus trained on: dir, fingerprint, token counts
     changes: list[dict[str, Any]] = field(default_factory=list)  # corpus or tracking changes a flag accepted
     # Each change of train.total_steps on a resume (train.replan): step, old and new totals, when,

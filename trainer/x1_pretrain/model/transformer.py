@@ -304,7 +304,7 @@ class Transformer(nn.Module):
 
     def use_cublaslt(self, on: bool) -> None:
         """Every matmul of the training step at the cuBLASLt algorithm timed fastest for its shape
-        on this GPU (x1_pretrain.cublaslt; train.cublaslt), where it runs on a GPU in 16 bits."""
+        on this GPU (x1_pretrain.ops.cublaslt; train.cublaslt), where it runs on a GPU in 16 bits."""
         self.lt = on
         for block in self.layers:
             block.attn.lt = block.mlp.lt = on

@@ -238,7 +238,7 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
                    "experiment_id": record.experiment_id, "status": record.status, "tracking_uri": safe_uri(record.uri)},
         "seed": seed,
         "versions": versions_of(record),
-        # each speed lever the config asked for: "on", or "off: why" (x1_pretrain.levers)
+        # each speed lever the config asked for: "on", or "off: why" (x1_pretrain.ops.levers)
         "levers": {k.removeprefix("x1.lever."): v for k, v in sorted(record.tags.items()) if k.startswith("x1.lever.")},
         "git_sha": record.tags.get("x1.git_sha", "unknown"),
         "config_name": record.tags.get("x1.config_name") or config.resolved.get("name"),
@@ -368,7 +368,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished folder to `out`. An existing `out` (--force) has only an earlier export's
     files replaced (those its manifest.json lists); every other file is kept (the post-mortem a
     person filled in, a termination screenshot, dod.json, and anything of the folder's owner),
-    and a name the export writes that an earlier export did not is refused (x1_pretrain.outputs)."""
+    and a name the export writes that an earlier export did not is refused (x1_pretrain.run.outputs)."""
     place(tmp, out, last="manifest.json", ours=_earlier_export_files(out), what="export_run")
 
 

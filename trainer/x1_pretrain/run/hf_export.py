@@ -237,7 +237,7 @@ def export(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *
     """Export `checkpoint` (a .safetensors file, step_* folder or checkpoint dir) to the folder `output`.
 
     The folder appears only when complete: files go to a temp folder beside it, renamed at the end.
-    With `force`, an existing folder keeps every file but an earlier export's (x1_pretrain.outputs).
+    With `force`, an existing folder keeps every file but an earlier export's (x1_pretrain.run.outputs).
     Raises FileNotFoundError, ConfigError, ExportError or NotOurFiles naming the problem; nothing is
     left behind.
     """

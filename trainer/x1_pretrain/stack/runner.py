@@ -6,7 +6,7 @@ without Docker (a RunPod pod is itself a container), from the same .env as compo
     python -m x1_pretrain.stack status  --workspace /workspace
     python -m x1_pretrain.stack down    --workspace /workspace
 
-Each service's command line and environment come from x1_common.services, the definition
+Each service's command line and environment come from x1_pretrain.stack.services, the definition
 compose.yaml is tested against; here in process mode (every server on 127.0.0.1, at the .env's
 *_HOST_PORT ports). `up` starts, like `docker compose up`:
 
@@ -27,7 +27,7 @@ a requested stop and not relaunched; then the sidecar, MLflow and Prometheus. `u
 of the watchdog (finished, budget stop, divergence, given up, start-up failure) is honoured: it
 does not relaunch.
 
-One stack per workspace: `up` takes a lease on the workspace (x1_pretrain.lease) and a second `up`
+One stack per workspace: `up` takes a lease on the workspace (x1_pretrain.train.lease) and a second `up`
 is refused, exit 2, naming the first, which it leaves alone. Logs: WS/logs/<service>.log, the
 trainer's own output in WS/logs/trainer.log, this runner's in WS/logs/stack.log, and the state
 `status` and `down` read in WS/logs/stack.json.
@@ -601,7 +601,7 @@ The X1 stack as processes, for a host without Docker (a RunPod pod is itself a c
 MLflow server (sqlite under WORKSPACE/mlruns), the budget sidecar (the provider of .env; static
 rate supported), the watchdog in process mode supervising the trainer with compose's trainer
 flags, and Prometheus when it is installed. Each service's command line and environment are
-x1_common.services', the definition compose.yaml is tested against; here every server listens on
+x1_pretrain.stack.services', the definition compose.yaml is tested against; here every server listens on
 127.0.0.1 at the .env's *_HOST_PORT ports (a pod's 0.0.0.0 is the internet, and MLflow and the
 sidecar have no authentication: reach them through SSH).
 

@@ -382,7 +382,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         logging.getLogger().setLevel(logging.WARNING)
     grad_accum = cfg.grad_accum(d.world_size)  # ConfigError when the world size does not divide
     # Each lever probed once: what this torch and this GPU (or the architecture train.gpu_arch names)
-    # cannot run is switched off in the config, with a line saying so (x1_pretrain.levers).
+    # cannot run is switched off in the config, with a line saying so (x1_pretrain.ops.levers).
     features = levers.probe(d.device, cfg.train.gpu_arch)
     cfg, lever_table = levers.resolve(cfg, features, d.world_size)
     if d.is_main:
@@ -391,7 +391,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         problem = unsupported(d.device) or levers.float8_problem(features)
         if problem is not None:
             raise DataOrConfigError(f"train.float8={cfg.train.float8}: {problem}; or --set train.float8=off")
-    # One trainer per checkpoint folder (x1_pretrain.lease), taken before anything is written there.
+    # One trainer per checkpoint folder (x1_pretrain.train.lease), taken before anything is written there.
     code = D.agree(d, take_trainer_lease(cfg.checkpoint.dir) if d.is_main else 0)
     if code:
         return code
