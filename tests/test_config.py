@@ -94,3 +94,21 @@ def test_resolved_config_round_trips_through_json():
 def test_on_and_off_mean_the_words_not_yaml_booleans():
     assert load_config(TINY_CONFIG, ["optim.fused=off"]).optim.fused == "off"
     assert load_config(TINY_CONFIG, ["optim.fused=on"]).optim.fused == "on"
+
+
+def test_every_config_field_marked_as_a_flag_is_a_trainer_flag_with_its_description_as_help():
+    from x1_pretrain.config import CLI_FLAGS, flags
+    from x1_pretrain.train.parser import build_parser
+
+    by_flag = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
+    assert set(CLI_FLAGS) == {
+        "data_dir", "ckpt_dir", "mlflow_uri", "total_steps", "ckpt_every", "eval_every", "log_every", "budget_cap_usd",
+        "budget_curr_cost_uri", "budget_alert_usd", "budget_check_every_min", "budget_stale_after_min",
+        "max_price_usd_per_hr", "planned_rate_usd_per_hr", "planned_hours", "expected_tokens_per_sec", "metrics_port",
+        "metrics_host", "heartbeat_file"}
+    for f in flags():
+        action = by_flag[f.name]
+        assert action.dest == f.dest and action.type is f.type
+        assert action.help.startswith(f.help) and f.path in action.help
+    args = build_parser().parse_args(["--config", "c.yaml", "--ckpt-every", "7", "--budget-cap-usd", "30"])
+    assert (args.ckpt_every, args.budget_cap_usd, args.total_steps) == (7, 30.0, None)

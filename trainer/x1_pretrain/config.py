@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +36,13 @@ def _yaml_word(v: object) -> object:
 class _Section(BaseModel):
     # allow_inf_nan: `lr: .inf` is a float to YAML and would otherwise pass `gt=0`.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def flag(name: str, group: str = "run") -> dict[str, Any]:
+    """`Field(..., json_schema_extra=flag("--log-every"))`: the field is also one of the trainer's flags.
+    train/parser.py makes the flag from the field (its type, its description as the help, its
+    default shown), so a flag is one edit here. group: "run", "budget" or "ops" (--help's sections)."""
+    return {"flag": name, "group": group}
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -152,7 +160,8 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     tokens_per_step: int = Field(524288, ge=1, description="tokens per optimizer step (512K); fixed whatever the world size")
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward pass on one GPU; accumulation = the rest")
-    total_steps: int = Field(84000, ge=1, description="optimizer steps; the cosine ends here (--total-steps)")
+    total_steps: int = Field(84000, ge=1, description="optimizer steps; the cosine ends here",
+                             json_schema_extra=flag("--total-steps"))
     seed: int = Field(42, ge=0, description="model init and data order")
     precision: Literal["bf16-mixed", "fp32"] = Field(
         "bf16-mixed", description="bf16 autocast over fp32 master weights; fp32 for CPU tests"
@@ -170,13 +179,14 @@ class TrainConfig(_Section):
         False, description="compile the whole backward, gradient accumulation included (one process; off under "
         "torchrun, where DDP and FSDP2 hook the accumulation)"
     )
-    log_every: int = Field(10, ge=1, description="steps between metric logs (--log-every)")
-    eval_every: int = Field(1800, ge=1, description="steps between val evals (--eval-every)")
+    log_every: int = Field(10, ge=1, description="steps between metric logs", json_schema_extra=flag("--log-every"))
+    eval_every: int = Field(1800, ge=1, description="steps between val evals", json_schema_extra=flag("--eval-every"))
     eval_windows: int = Field(128, ge=1, description="fixed val windows per eval (x seq_len tokens)")
     expected_tokens_per_sec: float | None = Field(
-        None, gt=0, description="tokens/s this run expects over all its GPUs (--expected-tokens-per-sec): the figure "
+        None, gt=0, description="tokens/s this run expects over all its GPUs: the figure "
         "you gave `plan --tokens-per-sec`. None: plan's figure for the GPU the trainer finds (accounting.py) x the "
-        "world size; none on a CPU. The launch check and the default throughput floor use it"
+        "world size; none on a CPU. The launch check and the default throughput floor use it",
+            json_schema_extra=flag("--expected-tokens-per-sec", "budget")
     )
     min_tokens_per_sec: float | None = Field(
         None, ge=0, description="warn when a steady log interval of the first hour is under this many tokens/s. "
@@ -244,28 +254,40 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
-    dir: str = Field("/workspace/data/tokenized", description="holds train.bin, val.bin, meta.json (--data-dir)")
+    dir: str = Field("/workspace/data/tokenized", description="holds train.bin, val.bin, meta.json",
+                     json_schema_extra=flag("--data-dir"))
     prefetch: int = Field(4, ge=0, description="micro-batches prepared ahead on a background thread")
     pin_memory: bool = Field(True, description="page-locked host buffers so the copy to the GPU overlaps compute")
 
 
 class CheckpointConfig(_Section):
-    dir: str = Field("/workspace/checkpoints", description="step_XXXXXXXX/ folders and the latest pointer (--ckpt-dir)")
-    every: int = Field(1800, ge=1, description="steps between checkpoints (--ckpt-every; ~30 min on an A100)")
+    dir: str = Field("/workspace/checkpoints", description="step_XXXXXXXX/ folders and the latest pointer",
+                     json_schema_extra=flag("--ckpt-dir"))
+    every: int = Field(1800, ge=1, description="steps between checkpoints (~30 min on an A100)",
+                       json_schema_extra=flag("--ckpt-every"))
     keep_last: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
 
 
 class BudgetConfig(_Section):
     """The guard (docs/DESIGN.md §6). It is on only when cap_usd is set (--budget-cap-usd)."""
 
-    cap_usd: float | None = Field(None, gt=0, description="hard cap; None = guard off")
-    alert_usd: float = Field(30.0, gt=0, description="email + Slack once per crossing")
-    curr_cost_uri: str = Field("/workspace/budget.json", description="budget.json path or the sidecar's /budget URL")
-    check_every_min: float = Field(30.0, gt=0, description="minutes between readings")
-    stale_after_min: float = Field(15.0, gt=0, description="a reading older than this raises a stale-data alert")
-    max_price_usd_per_hr: float = Field(1.40, gt=0, description="the lab's price ceiling for launch")
-    planned_rate_usd_per_hr: float | None = Field(None, gt=0, description="planned price: rate > 1.2x this warns")
-    planned_hours: float | None = Field(None, gt=0, description="planned hours for the pre-launch sentence")
+    cap_usd: float | None = Field(None, gt=0, description="hard cap: projected over it → checkpoint, exit 76; spent "
+                                  "over it → exit 77; None = guard off",
+                                  json_schema_extra=flag("--budget-cap-usd", "budget"))
+    alert_usd: float = Field(30.0, gt=0, description="email + Slack once per crossing",
+                             json_schema_extra=flag("--budget-alert-usd", "budget"))
+    curr_cost_uri: str = Field("/workspace/budget.json", description="budget.json path or the sidecar's /budget URL",
+                               json_schema_extra=flag("--budget-curr-cost-uri", "budget"))
+    check_every_min: float = Field(30.0, gt=0, description="minutes between readings",
+                                   json_schema_extra=flag("--budget-check-every-min", "budget"))
+    stale_after_min: float = Field(15.0, gt=0, description="a reading older than this raises a stale-data alert",
+                                   json_schema_extra=flag("--budget-stale-after-min", "budget"))
+    max_price_usd_per_hr: float = Field(1.40, gt=0, description="the lab's price ceiling for launch",
+                                        json_schema_extra=flag("--max-price-usd-per-hr", "budget"))
+    planned_rate_usd_per_hr: float | None = Field(None, gt=0, description="planned price: rate > 1.2x this warns",
+                                                  json_schema_extra=flag("--planned-rate-usd-per-hr", "budget"))
+    planned_hours: float | None = Field(None, gt=0, description="planned hours for the pre-launch sentence",
+                                        json_schema_extra=flag("--planned-hours", "budget"))
     first_reading_timeout_min: float = Field(5.0, gt=0, description="wait this long for a first reading, then exit 78")
     margin: float = Field(
         0.10, ge=0, le=1, description="the trainer's own projection adds this share of the time it still needs "
@@ -283,12 +305,16 @@ class BudgetConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    mlflow_uri: str = Field("file:///workspace/mlruns", description="file://, sqlite:// or http:// (--mlflow-uri)")
+    mlflow_uri: str = Field("file:///workspace/mlruns", description="file://, sqlite:// or http://",
+                            json_schema_extra=flag("--mlflow-uri"))
     experiment: str = Field("x1-pretraining", description="MLflow experiment name")
     run_name: str | None = Field(None, description="MLflow run name; default: config name + start time")
-    metrics_port: int = Field(9791, ge=0, le=65535, description="Prometheus /metrics; 0 disables")
-    metrics_host: str = Field("127.0.0.1", description="address /metrics listens on; 0.0.0.0 inside a container")
-    heartbeat_file: str = Field("/workspace/logs/heartbeat.json", description="read by the watchdog")
+    metrics_port: int = Field(9791, ge=0, le=65535, description="Prometheus /metrics; 0 disables",
+                              json_schema_extra=flag("--metrics-port", "ops"))
+    metrics_host: str = Field("127.0.0.1", description="address /metrics listens on; 0.0.0.0 inside a container",
+                              json_schema_extra=flag("--metrics-host", "ops"))
+    heartbeat_file: str = Field("/workspace/logs/heartbeat.json", description="read by the watchdog",
+                                json_schema_extra=flag("--heartbeat-file", "ops"))
 
 
 class RunConfig(_Section):
@@ -340,28 +366,43 @@ class RunConfig(_Section):
         return self.model_dump(mode="json")
 
 
-# The lab's flags of docs/DESIGN.md §3 → config fields (the train command maps these after --set).
-SEED_FLAGS = {
-    "data_dir": "data.dir",
-    "ckpt_dir": "checkpoint.dir",
-    "mlflow_uri": "tracking.mlflow_uri",
-    "total_steps": "train.total_steps",
-    "ckpt_every": "checkpoint.every",
-    "eval_every": "train.eval_every",
-    "log_every": "train.log_every",
-    "budget_cap_usd": "budget.cap_usd",
-    "budget_curr_cost_uri": "budget.curr_cost_uri",
-    "budget_alert_usd": "budget.alert_usd",
-    "budget_check_every_min": "budget.check_every_min",
-    "budget_stale_after_min": "budget.stale_after_min",
-    "max_price_usd_per_hr": "budget.max_price_usd_per_hr",
-    "planned_rate_usd_per_hr": "budget.planned_rate_usd_per_hr",
-    "planned_hours": "budget.planned_hours",
-    "expected_tokens_per_sec": "train.expected_tokens_per_sec",
-    "metrics_port": "tracking.metrics_port",
-    "metrics_host": "tracking.metrics_host",
-    "heartbeat_file": "tracking.heartbeat_file",
-}
+@dataclass(frozen=True)
+class CliFlag:
+    """One field of RunConfig marked with `flag`."""
+
+    name: str  # --total-steps
+    path: str  # train.total_steps
+    group: str
+    type: type
+    help: str
+    default: Any
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+
+def flags() -> list[CliFlag]:
+    """Every field of the run config that is a flag, in the order the sections declare them."""
+    found = []
+    for section, sf in RunConfig.model_fields.items():
+        model = sf.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        for name, f in model.model_fields.items():
+            extra = f.json_schema_extra
+            if not (isinstance(extra, dict) and "flag" in extra):
+                continue
+            kind = next((a for a in get_args(f.annotation) if a is not type(None)), f.annotation)
+            found.append(CliFlag(str(extra["flag"]), f"{section}.{name}", str(extra["group"]), kind,
+                                 f.description or "", f.default))
+    return found
+
+
+
+# The trainer's flags of docs/DESIGN.md §3 -> config fields (the train command applies them after
+# --set): every field marked with `flag`, dest -> dotted path ("data_dir" -> "data.dir").
+CLI_FLAGS = {f.dest: f.path for f in flags()}
 
 
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:

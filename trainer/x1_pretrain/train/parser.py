@@ -6,13 +6,11 @@ import argparse
 import logging
 
 from x1_common.contracts import COST_URI_PASSWORD_ENV, COST_URI_USERNAME_ENV, move_uri_credentials_to_env
-from x1_pretrain.config import SEED_FLAGS, ConfigError, RunConfig, load_config
+from x1_pretrain.config import CLI_FLAGS, ConfigError, RunConfig, flags, load_config
 
 log = logging.getLogger("x1.train")
 
-
-# ---------------------------------------------------------------------------------------------
-# Setup: config → data → checkpoint → budget → model → optimizer → tracking → compile
+GROUPS = {"run": "the run's flags", "budget": "budget guard (on only with --budget-cap-usd)", "ops": "operations"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,37 +22,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="run config YAML (configs/x1-50m-a100.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field, e.g. --set optim.lr=1e-3 (repeatable)")
-    seed = p.add_argument_group("the run's flags")
-    seed.add_argument("--data-dir", help="folder with train.bin, val.bin, meta.json")
-    seed.add_argument("--ckpt-dir", help="checkpoints folder (step_XXXXXXXX/, latest, final.safetensors)")
-    seed.add_argument("--mlflow-uri", help="file://, sqlite:// or http:// tracking URI")
-    seed.add_argument("--total-steps", type=int, help="optimizer steps (the cosine ends here)")
-    seed.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
-    seed.add_argument("--eval-every", type=int, help="steps between val evals")
-    seed.add_argument("--log-every", type=int, help="steps between metric logs")
+    groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
+    # The flags that set a config field, made from the field (config.py, `flag`): the default shown
+    # is the field's, which the config file may change.
+    for f in flags():
+        groups[f.group].add_argument(f.name, type=f.type, help=f"{f.help} ({f.path}; default {shown(f.default)})")
+    seed = groups["run"]
     seed.add_argument("--resume-from-latest", action="store_true",
                       help="continue from the newest complete, verified checkpoint (no step folder: start fresh; "
                       "step folders of which none verifies: exit 2 naming each, nothing touched)")
     seed.add_argument("--inject-spike-at-step", type=int, metavar="N",
                       help="replace the batches of steps N..N+4 with rare-token sequences (skipped after a natural spike)")
-    budget = p.add_argument_group("budget guard (on only with --budget-cap-usd)")
-    budget.add_argument("--budget-cap-usd", type=float, help="hard cap: projected over it → checkpoint, exit 76; spent over it → exit 77")
-    budget.add_argument("--budget-curr-cost-uri", help="budget.json path or the sidecar's /budget URL")
-    budget.add_argument("--budget-alert-usd", type=float, help="email + Slack once per crossing (30)")
-    budget.add_argument("--budget-check-every-min", type=float, help="minutes between readings (30)")
-    budget.add_argument("--budget-stale-after-min", type=float, help="a reading older than this alerts as stale (15)")
-    budget.add_argument("--max-price-usd-per-hr", type=float, help="refuse to launch above this price (1.40)")
-    budget.add_argument("--planned-rate-usd-per-hr", type=float, help="planned price: the pre-launch sentence; 1.2x over it warns")
-    budget.add_argument("--planned-hours", type=float, help="planned hours for the pre-launch sentence")
-    budget.add_argument("--expected-tokens-per-sec", type=float, metavar="N",
-                        help="tokens/s this run expects (all GPUs): the figure given to `plan --tokens-per-sec`. "
-                        "Default: plan's figure for the GPU found; none on a CPU. The launch check and the default "
-                        "throughput floor use it")
+    budget = groups["budget"]
     budget.add_argument("--dry-run-budget", action="store_true", help="walk simulated readings through every rule, print, exit 0")
-    ops = p.add_argument_group("operations")
-    ops.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (9791; 0 disables)")
-    ops.add_argument("--metrics-host", help="address /metrics listens on (127.0.0.1; 0.0.0.0 inside a container)")
-    ops.add_argument("--heartbeat-file", help="heartbeat JSON the watchdog reads (/workspace/logs/heartbeat.json)")
+    ops = groups["ops"]
     ops.add_argument("--allow-config-change", action="store_true",
                      help="resume even though the config hash (model, optimizer, schedule) changed")
     ops.add_argument("--allow-data-change", action="store_true",
@@ -74,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def shown(default: object) -> str:
+    return "none" if default is None else f"{default:g}" if isinstance(default, float) else str(default)
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    overrides = {SEED_FLAGS[k]: v for k, v in vars(args).items() if k in SEED_FLAGS and v is not None}
+    overrides = {CLI_FLAGS[k]: v for k, v in vars(args).items() if k in CLI_FLAGS and v is not None}
     return load_config(args.config, args.set, overrides)
 
 
