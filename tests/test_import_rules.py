@@ -5,6 +5,7 @@ trainer package over 800 lines and the loop file at most 450."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,30 @@ def test_the_loop_file_holds_train_loop_at_module_level_in_at_most_450_lines() -
     tree = ast.parse(LOOP_FILE.read_text(encoding="utf-8"))
     assert "train_loop" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert len(LOOP_FILE.read_text(encoding="utf-8").splitlines()) <= 450
+
+
+def test_every_mlflow_name_of_the_contracts_is_used_by_the_code_that_writes_or_reads_it() -> None:
+    from x1_common import contracts
+
+    names = [n for n in vars(contracts) if n.startswith("MLFLOW_") and isinstance(getattr(contracts, n), (str, tuple))
+             and not n.startswith("MLFLOW_TRACKING")]
+    code = "\n".join(p.read_text(encoding="utf-8") for package, root in PACKAGES.items() if package != "x1_common"
+                     for p in python_files(root))
+    assert [n for n in names if not re.search(rf"\b{n}\b", code)] == []
+
+
+def test_the_heartbeat_phases_are_one_list_the_writer_and_the_readers_share() -> None:
+    from x1_common.contracts import HEARTBEAT_PHASES, STARTUP_PHASES
+
+    assert "stopped" in HEARTBEAT_PHASES and set(STARTUP_PHASES) <= set(HEARTBEAT_PHASES)
+    train = PACKAGES["x1_pretrain"] / "train"
+    written = set()
+    for path in python_files(train):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "beat":
+                assert not any(isinstance(a, ast.Constant) for a in node.args[1:]), f"{path}: a phase as a literal"
+                written |= {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name) and n.id.isupper()}
+    assert written and all(n.startswith("PHASE_") for n in written)
+    compose = (REPO / "compose.yaml").read_text(encoding="utf-8")
+    healthcheck_phases = re.findall(r"'(\w+)'", compose.split("h['phase'] in (", 1)[1].split(")", 1)[0])
+    assert healthcheck_phases and set(healthcheck_phases) <= set(HEARTBEAT_PHASES)

@@ -333,7 +333,16 @@ def read_budget_file(path: str | os.PathLike[str]) -> BudgetReading:
 # --------------------------------------------------------------------------------------------
 # Heartbeat (trainer → watchdog): {"step", "time", "pid", "phase"}, rewritten atomically.
 
-HEARTBEAT_PHASES = ("startup", "compiling", "training", "checkpointing", "finished")
+# The phases the trainer writes (train/), which the watchdog's policy and compose's healthcheck read.
+PHASE_STARTUP = "startup"  # imports, data checks, the model built: before the first step
+PHASE_COMPILING = "compiling"  # torch.compile's warm-up: minutes, on a first start
+PHASE_TRAINING = "training"
+PHASE_CHECKPOINTING = "checkpointing"
+PHASE_FINISHED = "finished"  # total steps reached
+PHASE_STOPPED = "stopped"  # any other exit (preempted, budget, forecast): the next start measures its downtime from it
+HEARTBEAT_PHASES = (PHASE_STARTUP, PHASE_COMPILING, PHASE_TRAINING, PHASE_CHECKPOINTING, PHASE_FINISHED, PHASE_STOPPED)
+# A trainer in these has not reached its loop yet: the watchdog gives it the start-up grace.
+STARTUP_PHASES = (PHASE_STARTUP, PHASE_COMPILING)
 
 
 @dataclass(frozen=True)
@@ -419,29 +428,32 @@ M_WATCHDOG_DOCKER_ENGINE = "x1_watchdog_docker_engine"  # info: x1_watchdog_dock
 # Counters: prometheus_client exports them with a `_total` suffix.
 COUNTER_METRICS = frozenset({M_TRAIN_TOKENS, M_BUDGET_POLL_FAILURES, M_WATCHDOG_RESTARTS, M_WATCHDOG_DOWNTIME})
 
-# MLflow metric keys logged by the trainer (export_run and postmortem read these).
-MLFLOW_TRAIN_METRICS = (
-    "loss",
-    "lr",
-    "grad_norm",
-    "param_norm",
-    "tokens_per_sec",
-    "mfu",
-    "tokens_seen",
-    "spent_usd",
-)
-# The guard's projection at each log step (see M_TRAIN_PROJECTED*): judged, own, sidecar's; billed hours needed.
-MLFLOW_BUDGET_METRICS = ("projected_usd", "projected_own_usd", "projected_sidecar_usd", "hours_needed")
+# MLflow metric keys logged by the trainer (train/components.py, loop.py), read by export_run and the
+# post-mortem (run/). Each step of `log_every`:
+MLFLOW_LOSS = "loss"
+MLFLOW_LR = "lr"
+MLFLOW_GRAD_NORM = "grad_norm"  # before clipping
+MLFLOW_PARAM_NORM = "param_norm"
+MLFLOW_TOKENS_PER_SEC = "tokens_per_sec"
+MLFLOW_MFU = "mfu"
+MLFLOW_TOKENS_SEEN = "tokens_seen"
+MLFLOW_SPENT_USD = "spent_usd"
+MLFLOW_WALL_HOURS = "wall_hours"  # wall-clock hours since the run's first start (downtime included)
+MLFLOW_TRAIN_HOURS = "train_hours"  # hours spent training, summed over restarts (eval, checkpoints excluded)
+MLFLOW_CLIPPED = "clipped"  # 1.0 when the grad norm was over the clip threshold
+# The guard's projection at each log step and budget check (see M_TRAIN_PROJECTED*): judged, own,
+# sidecar's; billed hours needed.
+MLFLOW_PROJECTED_USD = "projected_usd"
+MLFLOW_PROJECTED_OWN_USD = "projected_own_usd"
+MLFLOW_PROJECTED_SIDECAR_USD = "projected_sidecar_usd"
+MLFLOW_HOURS_NEEDED = "hours_needed"
 MLFLOW_VAL_LOSS = "val_loss"
 # Logged at each eval's step once the forecast has enough points
 MLFLOW_FORECAST_METRICS = ("forecast_val_loss", "forecast_val_loss_low", "forecast_val_loss_high")
 MLFLOW_SPIKE = "spike"  # 1.0 at a detected spike's step
 MLFLOW_SPIKE_INJECTED = "spike_injected"  # 1.0 at each injected step
 MLFLOW_NONFINITE = "nonfinite_step"  # 1.0 at a skipped (non-finite) step
-MLFLOW_CLIPPED = "clipped"  # 1.0 when the grad norm was over the clip threshold
 MLFLOW_RESTART = "restart"  # 1.0 at the step a resumed process starts from
-MLFLOW_WALL_HOURS = "wall_hours"  # wall-clock hours since the run's first start (downtime included)
-MLFLOW_TRAIN_HOURS = "train_hours"  # hours spent training, summed over restarts (eval, checkpoints excluded)
 
 # Secrets: environment variables whose values never reach a log, a file or MLflow.
 SECRET_ENV_VARS = (

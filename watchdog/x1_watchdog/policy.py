@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from x1_common.contracts import CLOCK_SKEW_S, Heartbeat, redact
+from x1_common.contracts import CLOCK_SKEW_S, STARTUP_PHASES, Heartbeat, redact
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class StallDetector:
         if self.stall_seconds <= 0:
             return None
         beat = self.own_heartbeat()
-        starting = beat is None or beat.phase in ("startup", "compiling")
+        starting = beat is None or beat.phase in STARTUP_PHASES
         if starting and now - self._started_at <= self.startup_grace_seconds:
             return None
         if beat is None:
@@ -128,8 +128,6 @@ class LaunchProgress:
     rules apply.
     """
 
-    STARTUP_PHASES = ("startup", "compiling")
-
     def __init__(self, heartbeat_file: str | os.PathLike[str]) -> None:
         self.heartbeat_file = Path(heartbeat_file)
         self._started_at = 0.0
@@ -146,7 +144,7 @@ class LaunchProgress:
         beat = Heartbeat.read(self.heartbeat_file)
         if beat is None or beat.time < self._started_at:  # none yet, or the previous trainer's
             return
-        if beat.phase in self.STARTUP_PHASES:
+        if beat.phase in STARTUP_PHASES:
             self._start_step = beat.step if self._start_step is None else min(self._start_step, beat.step)
         self._high = beat.step if self._high is None else max(self._high, beat.step)
 

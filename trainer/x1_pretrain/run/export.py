@@ -35,7 +35,25 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from x1_common.contracts import MLFLOW_FORECAST_METRICS, ExitCode, format_utc, move_uri_credentials_to_env, utc_now
+from x1_common.contracts import (
+    MLFLOW_FORECAST_METRICS,
+    MLFLOW_GRAD_NORM,
+    MLFLOW_LOSS,
+    MLFLOW_MFU,
+    MLFLOW_PARAM_NORM,
+    MLFLOW_RESTART,
+    MLFLOW_SPIKE,
+    MLFLOW_SPIKE_INJECTED,
+    MLFLOW_TOKENS_PER_SEC,
+    MLFLOW_TOKENS_SEEN,
+    MLFLOW_TRAIN_HOURS,
+    MLFLOW_VAL_LOSS,
+    MLFLOW_WALL_HOURS,
+    ExitCode,
+    format_utc,
+    move_uri_credentials_to_env,
+    utc_now,
+)
 from x1_common.fsutil import make_readable, sha256_file, write_json_atomic, write_text_atomic
 from x1_pretrain.checkpoint.store import MARKER
 from x1_pretrain.checkpoint.weights import read_metadata
@@ -108,26 +126,26 @@ def _join_by_step(a: Series, b: Series) -> list[tuple[float, float]]:
 def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predicted: float | None,
                  clip: float | None, title: str, restart_cost: dict[str, Any] | None = None) -> None:
 
-    restart_steps = sorted(set(record.flagged("restart")))
+    restart_steps = sorted(set(record.flagged(MLFLOW_RESTART)))
     # A resumed process's first step is its checkpoint's step + 1; `restart` is logged at the checkpoint's.
     downtimes = {r["resumed_first_step"] - 1: r.get("downtime_seconds")
                  for r in (restart_cost or {}).get("restarts", []) if r.get("resumed_first_step") is not None}
 
-    injected = record.flagged("spike_injected")
+    injected = record.flagged(MLFLOW_SPIKE_INJECTED)
     window = (injected[0], injected[-1]) if injected else None
-    flagged = set(record.flagged("spike"))  # spike_loss holds the injected steps' losses too
+    flagged = set(record.flagged(MLFLOW_SPIKE))  # spike_loss holds the injected steps' losses too
 
-    plots.loss_curve(out / "loss-curve.png", record.get("loss"), record.get("val_loss"), band=band,
+    plots.loss_curve(out / "loss-curve.png", record.get(MLFLOW_LOSS), record.get(MLFLOW_VAL_LOSS), band=band,
                      predicted=predicted, title=f"{title}: loss", injection=window,
                      forecast=history_from_series(*(record.get(k) for k in MLFLOW_FORECAST_METRICS)),
                      spikes=[(s, v) for s, v in record.get("spike_loss") if s in flagged])
-    plots.gradnorm_curve(out / "gradnorm-curve.png", record.get("grad_norm"), record.get("param_norm"), clip=clip,
+    plots.gradnorm_curve(out / "gradnorm-curve.png", record.get(MLFLOW_GRAD_NORM), record.get(MLFLOW_PARAM_NORM), clip=clip,
                          title=f"{title}: gradient and parameter norms", injection=window,
                          spikes=record.get("spike_grad_norm"))
-    wall = record.get("wall_hours")
-    plots.throughput_curve(out / "throughput.png", _segments(record.get("tokens_per_sec"), wall, restart_steps),
-                           gaps=_gaps(record.get("tokens_per_sec"), wall, restart_steps, downtimes),
-                           mfu=_segments(record.get("mfu"), wall, restart_steps), title=f"{title}: throughput")
+    wall = record.get(MLFLOW_WALL_HOURS)
+    plots.throughput_curve(out / "throughput.png", _segments(record.get(MLFLOW_TOKENS_PER_SEC), wall, restart_steps),
+                           gaps=_gaps(record.get(MLFLOW_TOKENS_PER_SEC), wall, restart_steps, downtimes),
+                           mfu=_segments(record.get(MLFLOW_MFU), wall, restart_steps), title=f"{title}: throughput")
 
 
 def _segments(values: Series, wall: Series, breaks: list[int]) -> list[list[tuple[float, float]]]:
@@ -224,11 +242,11 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
         notes.append(f"{weights.path} carries config hash {str(meta['config_hash'])[:12]}, the run's tag is "
                      f"{tag_hash[:12]}: were these weights written by another run?")
     train_cfg = config.resolved.get("train") if isinstance(config.resolved.get("train"), dict) else {}
-    tokens = record.last("tokens_seen")
+    tokens = record.last(MLFLOW_TOKENS_SEEN)
     tokens_seen = tokens[1] if tokens else record.last_step * float(_float_or_none(train_cfg.get("tokens_per_step")) or 0)
-    wall = [v for _, v in record.get("wall_hours")]
-    trained = [v for _, v in record.get("train_hours")]
-    loss, val = record.last("loss"), record.last("val_loss")
+    wall = [v for _, v in record.get(MLFLOW_WALL_HOURS)]
+    trained = [v for _, v in record.get(MLFLOW_TRAIN_HOURS)]
+    loss, val = record.last(MLFLOW_LOSS), record.last(MLFLOW_VAL_LOSS)
     now_ms = int(time.time() * 1000)
     seed = _number(record.tags.get("x1.seed")) if "x1.seed" in record.tags else train_cfg.get("seed")
     manifest: dict[str, Any] = {

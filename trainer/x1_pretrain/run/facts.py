@@ -12,6 +12,9 @@ from typing import Any
 from x1_common.contracts import (
     END_REASONS,
     MLFLOW_FORECAST_METRICS,
+    MLFLOW_RESTART,
+    MLFLOW_SPIKE,
+    MLFLOW_SPIKE_INJECTED,
     BudgetFormatError,
     end_reason,
     format_utc,
@@ -294,7 +297,7 @@ def forecast_of(record: RunRecord, train_cfg: dict[str, Any], final: float | Non
 
 
 def spike_summary(record: RunRecord) -> dict[str, Any]:
-    injected = record.flagged("spike_injected")
+    injected = record.flagged(MLFLOW_SPIKE_INJECTED)
     skipped = record.flagged("spike_injection_skipped")
     return {
         # MLflow steps count completed steps: the batches of step N show at N+1.
@@ -302,13 +305,13 @@ def spike_summary(record: RunRecord) -> dict[str, Any]:
         "injected_mlflow_steps": injected,
         "injection_skipped": bool(skipped),
         "injection_note": record.tags.get("x1.spike_injection"),
-        "detected_mlflow_steps": record.flagged("spike"),
+        "detected_mlflow_steps": record.flagged(MLFLOW_SPIKE),
     }
 
 
 def restart_count(record: RunRecord, events: list[dict[str, Any]], events_path: Path | None) -> dict[str, Any]:
     # Raw entries, not surviving ones: two resumes from the same checkpoint log `restart` twice at one step.
-    from_mlflow = record.logged.get("restart", 0)
+    from_mlflow = record.logged.get(MLFLOW_RESTART, 0)
     cost = restart_cost(record, events)
     if events_path is not None:
         relaunches = sum(1 for e in events if e.get("event") == "relaunch")

@@ -21,7 +21,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from x1_common.contracts import ExitCode, format_utc, move_uri_credentials_to_env, utc_now
+from x1_common.contracts import (
+    MLFLOW_CLIPPED,
+    MLFLOW_GRAD_NORM,
+    MLFLOW_LOSS,
+    MLFLOW_LR,
+    MLFLOW_NONFINITE,
+    MLFLOW_SPIKE,
+    MLFLOW_SPIKE_INJECTED,
+    MLFLOW_VAL_LOSS,
+    ExitCode,
+    format_utc,
+    move_uri_credentials_to_env,
+    utc_now,
+)
 from x1_common.fsutil import current_umask, write_text_atomic
 from x1_pretrain.run import plots
 from x1_pretrain.run.record import ExportError, RunRecord, Series, load_run, safe_uri
@@ -118,7 +131,7 @@ def _before(series: Series, step: int) -> tuple[int, float] | None:
 def losses(record: RunRecord) -> Series:
     """The logged losses, with the loss of every flagged or injected step between two log steps
     added (the trainer logs it as `spike_loss`): a spike's peak is rarely on a log step."""
-    return _merged(record, "loss", "spike_loss")
+    return _merged(record, MLFLOW_LOSS, "spike_loss")
 
 
 def _merged(record: RunRecord, every_log: str, at_spikes: str) -> Series:
@@ -130,9 +143,9 @@ def _merged(record: RunRecord, every_log: str, at_spikes: str) -> Series:
 def step_evidence(spike: Spike, record: RunRecord, clip: float | None, covering: list[int]) -> list[StepEvidence]:
     """The flagged and injected steps, and the log steps that cover the spike (up to the first log
     at or after its end: the loss a spike leaves may peak there)."""
-    loss, grad = dict(losses(record)), dict(_merged(record, "grad_norm", "spike_grad_norm"))
-    decided = dict(_merged(record, "clipped", "spike_clipped"))
-    nonfinite = set(record.flagged("nonfinite_step"))
+    loss, grad = dict(losses(record)), dict(_merged(record, MLFLOW_GRAD_NORM, "spike_grad_norm"))
+    decided = dict(_merged(record, MLFLOW_CLIPPED, "spike_clipped"))
+    nonfinite = set(record.flagged(MLFLOW_NONFINITE))
     steps = sorted({*spike.injected, *spike.detected, *covering})
     out = []
     for step in steps:
@@ -165,10 +178,10 @@ def analyse(spike: Spike, record: RunRecord, beta: float, clip: float | None = N
     if ema_before is not None:
         line = ema_before[1] * (1 + RECOVERY_TOLERANCE)
         recovered_at = next((s for s, v in ema if s >= last and v <= line), None)
-    lr_in_spike = [(s, v) for s, v in record.get("lr") if s in covering]
-    lr_before = _before(record.get("lr"), spike.start)
+    lr_in_spike = [(s, v) for s, v in record.get(MLFLOW_LR) if s in covering]
+    lr_before = _before(record.get(MLFLOW_LR), spike.start)
     lr_note = "" if lr_in_spike or not lr_before else "the last one logged before the spike"
-    val = record.get("val_loss")
+    val = record.get(MLFLOW_VAL_LOSS)
     return SpikeFacts(
         spike=spike,
         covering=covering,
@@ -345,7 +358,7 @@ def _log_every(record: RunRecord, notes: list[str]) -> int | None:
     value = _logged_param(record, "train.log_every")
     if value is not None:
         return int(value)
-    steps = [s for s, _ in record.get("loss")]
+    steps = [s for s, _ in record.get(MLFLOW_LOSS)]
     gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
     if not gaps:
         notes.append(f"MLflow params lack train.log_every and the run logged too few losses to tell: {NOT_MEASURED}")
@@ -365,7 +378,7 @@ def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
     if clip is None:
         notes.append(f"MLflow params lack optim.grad_clip: the clip threshold is {NOT_MEASURED}; clip decisions come "
                      "only from the logged ones (`clipped`, `spike_clipped`)")
-    injected, detected = record.flagged("spike_injected"), record.flagged("spike")
+    injected, detected = record.flagged(MLFLOW_SPIKE_INJECTED), record.flagged(MLFLOW_SPIKE)
     skipped = record.flagged("spike_injection_skipped")
     spikes = group_spikes(injected, detected, gap=max(5, log_every or 0))
     note = record.tags.get("x1.spike_injection")
@@ -424,8 +437,8 @@ def write_postmortem(record: RunRecord, output: Path) -> tuple[str, list[Path]]:
             right = max(spike.end, facts.recovered_at or spike.end) + margin
             line = None if facts.ema_before is None else facts.ema_before[1] * (1 + RECOVERY_TOLERANCE)
             plots.spike_zoom(
-                plot_path, loss=loss, ema=loss_ema(loss, beta), grad_norm=_merged(record, "grad_norm", "spike_grad_norm"),
-                val=record.get("val_loss"), window=(max(first, spike.start - margin), min(last_step, right)),
+                plot_path, loss=loss, ema=loss_ema(loss, beta), grad_norm=_merged(record, MLFLOW_GRAD_NORM, "spike_grad_norm"),
+                val=record.get(MLFLOW_VAL_LOSS), window=(max(first, spike.start - margin), min(last_step, right)),
                 injection=(spike.injected[0], spike.injected[-1]) if spike.injected else None,
                 detected=spike.detected, recovery_line=line, recovered_at=facts.recovered_at, clip=clip,
                 clipped_steps=[e.step for e in facts.evidence if e.clipped], title=f"{record.run_name or record.run_id[:8]}: spike at step {spike.start}",

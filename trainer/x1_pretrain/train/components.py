@@ -16,7 +16,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from x1_common.contracts import ExitCode
+from x1_common.contracts import (
+    MLFLOW_CLIPPED,
+    MLFLOW_GRAD_NORM,
+    MLFLOW_HOURS_NEEDED,
+    MLFLOW_LOSS,
+    MLFLOW_LR,
+    MLFLOW_MFU,
+    MLFLOW_PARAM_NORM,
+    MLFLOW_PROJECTED_OWN_USD,
+    MLFLOW_PROJECTED_SIDECAR_USD,
+    MLFLOW_PROJECTED_USD,
+    MLFLOW_SPENT_USD,
+    MLFLOW_TOKENS_PER_SEC,
+    MLFLOW_TOKENS_SEEN,
+    MLFLOW_TRAIN_HOURS,
+    MLFLOW_WALL_HOURS,
+    PHASE_TRAINING,
+    ExitCode,
+)
 from x1_pretrain.checkpoint.store import Checkpointer, TrainerState
 from x1_pretrain.config import RunConfig
 from x1_pretrain.model.transformer import Bf16Weights, Transformer
@@ -194,16 +212,16 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
     mfu = tps_per_gpu * run.flops_per_token / (run.peak_tflops * 1e12) if run.peak_tflops else 0.0
     param_norm = total_norm(run.raw_model.parameters())
     metrics = {
-        "loss": loss,
-        "lr": lr,
-        "grad_norm": grad_norm,
-        "param_norm": param_norm,
-        "tokens_per_sec": tps,
-        "mfu": mfu,
-        "tokens_seen": float(run.state.tokens_seen),
-        "wall_hours": (time.time() - run.state.run_started) / 3600,  # since the run's first start
-        "train_hours": run.state.train_seconds / 3600,
-        "clipped": float(grad_norm > run.cfg.optim.grad_clip),
+        MLFLOW_LOSS: loss,
+        MLFLOW_LR: lr,
+        MLFLOW_GRAD_NORM: grad_norm,
+        MLFLOW_PARAM_NORM: param_norm,
+        MLFLOW_TOKENS_PER_SEC: tps,
+        MLFLOW_MFU: mfu,
+        MLFLOW_TOKENS_SEEN: float(run.state.tokens_seen),
+        MLFLOW_WALL_HOURS: (time.time() - run.state.run_started) / 3600,  # since the run's first start
+        MLFLOW_TRAIN_HOURS: run.state.train_seconds / 3600,
+        MLFLOW_CLIPPED: float(grad_norm > run.cfg.optim.grad_clip),
     }
     p = run.sink.prom
     # Each MFU names its peak: the datasheet's (docs/DESIGN.md §4) and, where given, the measured matmul peak.
@@ -223,13 +241,13 @@ def log_step(run: Run, step: int, loss: float, grad_norm: float, lr: float) -> N
     p.progress.set(step / run.cfg.train.total_steps)
     p.tokens.inc(tokens)
     p.tps.set(tps)
-    p.loss.set(metrics["loss"])
+    p.loss.set(metrics[MLFLOW_LOSS])
     p.grad_norm.set(grad_norm)
     p.lr.set(lr)
-    run.sink.heartbeat.beat(step, "training")
+    run.sink.heartbeat.beat(step, PHASE_TRAINING)
     steady = "" if interval.steady else f" (not steady: {'+'.join(interval.not_steady)})"
     log.info("step %d/%d loss %.4f lr %.2e grad %.3f tok/s %.0f%s %s", step, run.cfg.train.total_steps,
-             metrics["loss"], lr, grad_norm, tps, steady, mfu_text)
+             metrics[MLFLOW_LOSS], lr, grad_norm, tps, steady, mfu_text)
     warn_if_slow(run, step, interval)
 
 
@@ -239,10 +257,10 @@ def log_budget(run: Run, step: int, projection: Projection | None) -> None:
     if projection is None:  # guard off, or no reading yet
         return
     own, hours = projection.own_usd, projection.hours_needed
-    metrics = {"spent_usd": projection.spent_usd, "projected_usd": projection.judged_usd,
-               "projected_sidecar_usd": projection.sidecar_usd}
+    metrics = {MLFLOW_SPENT_USD: projection.spent_usd, MLFLOW_PROJECTED_USD: projection.judged_usd,
+               MLFLOW_PROJECTED_SIDECAR_USD: projection.sidecar_usd}
     if own is not None and hours is not None:
-        metrics.update(projected_own_usd=own, hours_needed=hours)
+        metrics.update({MLFLOW_PROJECTED_OWN_USD: own, MLFLOW_HOURS_NEEDED: hours})
     run.sink.log(step, metrics)
     p = run.sink.prom
     p.spent.set(projection.spent_usd)

@@ -21,7 +21,17 @@ from typing import Any
 
 import torch
 
-from x1_common.contracts import END_REASONS, ExitCode
+from x1_common.contracts import (
+    END_REASONS,
+    MLFLOW_NONFINITE,
+    MLFLOW_SPIKE_INJECTED,
+    MLFLOW_VAL_LOSS,
+    PHASE_CHECKPOINTING,
+    PHASE_FINISHED,
+    PHASE_STOPPED,
+    PHASE_TRAINING,
+    ExitCode,
+)
 from x1_pretrain.checkpoint.store import CheckpointError, capture_rng
 from x1_pretrain.data.loader import split_window
 from x1_pretrain.train import distributed as D
@@ -33,7 +43,8 @@ log = logging.getLogger("x1.train")
 
 
 # MLflow statuses per exit: a stop on purpose is KILLED, a failure FAILED.
-MLFLOW_STATUS = {0: "FINISHED", 75: "KILLED", 76: "KILLED", 77: "KILLED", 79: "FAILED", 80: "KILLED"}
+MLFLOW_STATUS = {ExitCode.FINISHED: "FINISHED", ExitCode.PREEMPTED: "KILLED", ExitCode.BUDGET_PROJECTED: "KILLED",
+                 ExitCode.BUDGET_SPENT: "KILLED", ExitCode.DIVERGED: "FAILED", ExitCode.FORECAST_STOP: "KILLED"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +83,7 @@ def train_loop(run: Run) -> int:
             run.state.nonfinite_in_row += 1
             log.warning("step %d: non-finite loss %s / grad norm %s: optimizer step skipped (%d in a row)",
                         step, loss_v, grad_norm_v, run.state.nonfinite_in_row)
-            run.sink.log(step, {"nonfinite_step": 1.0})
+            run.sink.log(step, {MLFLOW_NONFINITE: 1.0})
         # Under CUDA graphs the gradients stay allocated: the first backward of a step would
         # otherwise take the graph's output buffer as .grad, which the next replay overwrites.
         run.optimizer.zero_grad(set_to_none=not run.cudagraphs)
@@ -179,7 +190,7 @@ def accumulate(run: Run, step: int) -> tuple[torch.Tensor, bool]:
     if run.bf16_weights is not None:  # the weight gradients summed in fp32 buffers become .grad
         run.bf16_weights.publish()
     if run.injector.active(step, run.detector):
-        run.sink.log(step + 1, {"spike_injected": 1.0})
+        run.sink.log(step + 1, {MLFLOW_SPIKE_INJECTED: 1.0})
     return total / run.grad_accum, False
 
 
@@ -207,7 +218,7 @@ def evaluate(run: Run, step: int) -> float:
             losses.append(model(w[:, :-1], w[:, 1:]).float() * w.size(0))
     model.train()
     val_loss = (torch.stack(losses).sum() / len(run.val)).item()
-    run.sink.log(step, {"val_loss": val_loss})
+    run.sink.log(step, {MLFLOW_VAL_LOSS: val_loss})
     run.sink.prom.val_loss.set(val_loss)
     log.info("step %d val_loss %.4f", step, val_loss)
     return val_loss
@@ -234,7 +245,7 @@ def full_states(run: Run) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def save_checkpoint(run: Run, step: int) -> None:
     if run.last_saved_step == step:
         return
-    run.sink.heartbeat.beat(step, "checkpointing")
+    run.sink.heartbeat.beat(step, PHASE_CHECKPOINTING)
     model_state, optim_state = full_states(run)
     if run.dist.is_main:
         run.state.spike = run.detector.state()
@@ -252,7 +263,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         log.info("checkpoint step_%08d written in %.2f s", step, seconds)
     D.barrier(run.dist)
     run.last_saved_step = step
-    run.sink.heartbeat.beat(step, "training")
+    run.sink.heartbeat.beat(step, PHASE_TRAINING)
 
 
 def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
@@ -271,7 +282,7 @@ def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
     # RunPod spot gives 5 s after SIGTERM: the checkpoint comes first, the metrics get what is left
     # (anything unsent is spooled to disk and sent by the next start).
     run.sink.close(MLFLOW_STATUS[int(code)], timeout=3.0 if code == ExitCode.PREEMPTED else 30.0)
-    run.sink.heartbeat.beat(step, "stopped")  # the exit's time: the next start measures its downtime from it
+    run.sink.heartbeat.beat(step, PHASE_STOPPED)  # the exit's time: the next start measures its downtime from it
     return int(code)
 
 
@@ -291,7 +302,7 @@ def finish(run: Run, step: int) -> int:
     if run.dist.is_main:
         run.checkpointer.save_final(model_state, optim_state, step, run.state.config_hash)
         log.info("finished: %s", run.checkpointer.root / "final.safetensors")
-    run.sink.heartbeat.beat(step, "finished")
+    run.sink.heartbeat.beat(step, PHASE_FINISHED)
     # x1.end_reason too: an earlier process of this run may have left "preempted" there.
     run.sink.tags({"x1.end": END_REASONS[ExitCode.FINISHED], "x1.end_reason": f"total steps reached (step {step})"})
     run.sink.close("FINISHED", timeout=60.0)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from x1_common.alerts import AlertSender
-from x1_common.contracts import ExitCode
+from x1_common.contracts import MLFLOW_RESTART, PHASE_COMPILING, PHASE_STARTUP, PHASE_TRAINING, ExitCode
 from x1_common.fsutil import write_json_atomic
 from x1_pretrain.checkpoint.store import (
     MODEL_FILE,
@@ -276,7 +276,7 @@ def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str |
             deaths = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else 0
         except (OSError, ValueError, AttributeError, RecursionError):
             deaths = 0  # a damaged marker: counted again from here
-    if previous_heartbeat is not None and previous_heartbeat.phase == "compiling" and previous_heartbeat.pid != os.getpid():
+    if previous_heartbeat is not None and previous_heartbeat.phase == PHASE_COMPILING and previous_heartbeat.pid != os.getpid():
         deaths += 1
         write_json_atomic(marker, {"deaths": deaths})
     if deaths >= 2:
@@ -295,7 +295,7 @@ def warm_up(run: Run, mode: str | None, ckpt_root: Path) -> None:
     model = raw
     run.backward_context = compiled_autograd(run, mode)
     while mode is not None or d.device.type == "cuda":  # CPU eager has nothing to find out
-        run.sink.heartbeat.beat(run.state.step, "compiling" if mode else "startup")
+        run.sink.heartbeat.beat(run.state.step, PHASE_COMPILING if mode else PHASE_STARTUP)
         model = torch.compile(raw, mode=mode) if mode is not None else raw
         # The first step's batch as the loop gets it (contiguous, on the device) and the loop's
         # backward weight: any difference from the loop's call would compile a second graph at
@@ -499,7 +499,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
                           extra_tags=lever_table.tags())
     previous_heartbeat = sink.heartbeat.previous() if d.is_main else None  # before this process's first beat
-    sink.heartbeat.beat(state.step, "startup")
+    sink.heartbeat.beat(state.step, PHASE_STARTUP)
     sink.prom.tokens.inc(state.tokens_seen)
     sink.prom.total_steps.set(cfg.train.total_steps)
     sink.prom.progress.set(state.step / cfg.train.total_steps)
@@ -510,7 +510,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         print(preflight.render(info, warnings), file=sys.stderr, flush=True)
         sink.tags({f"x1.preflight.{k}": str(v) for k, v in info.items()})
         if loaded is not None:
-            sink.log(state.step, {"restart": 1.0})
+            sink.log(state.step, {MLFLOW_RESTART: 1.0})
         if replanned:  # MLflow keeps params as first logged: the change is a tag and a metric of its own
             r = state.replans[-1]
             sink.tags({f"x1.replan.{len(state.replans)}": json.dumps(r, sort_keys=True),
@@ -553,7 +553,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     warm_up(run, compile_choice(cfg, Path(cfg.checkpoint.dir), previous_heartbeat), Path(cfg.checkpoint.dir))
     run.throughput = Throughput("resume" if loaded is not None else "start")
     run.compiles = CompileWatch()
-    sink.heartbeat.beat(state.step, "training")
+    sink.heartbeat.beat(state.step, PHASE_TRAINING)
     return run
 
 
