@@ -128,7 +128,6 @@ def write_budget_stop(ckpt_root: Path, step: int, total_steps: int, fits: int | 
 
 
 def read_budget_stop(ckpt_root: Path) -> dict[str, Any] | None:
-
     try:
         stop = json.loads((ckpt_root / BUDGET_STOP_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):

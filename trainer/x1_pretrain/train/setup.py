@@ -412,30 +412,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     guard = BudgetGuard.from_config(cfg.budget) if d.is_main else BudgetGuard.from_config(cfg.budget.model_copy(update={"cap_usd": None}))
 
     checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.model)
-    loaded = resume_point(args, cfg, checkpointer, d)
-    corpus = provenance.corpus_identity(cfg.data.dir, tokens.meta)
-    if loaded is not None:
-        check_provenance(args, cfg, loaded, corpus)
-        state = loaded.state
-        state.restarts += 1
-        state.config = cfg.resolved()
-        try:
-            restore_rng(state.rng)
-        except CheckpointError as e:
-            raise DataOrConfigError(f"{loaded.path}: {e}") from None
-        state.run_started = state.run_started or time.time() - state.train_seconds  # older checkpoints
-        log.info("resuming from %s at step %d (%d tokens seen)", loaded.path, state.step, state.tokens_seen)
-    else:
-        state = TrainerState(step=0, tokens_seen=0, config_hash=cfg.config_hash(), config=cfg.resolved(),
-                             sampler={}, world_size=d.world_size,
-                             run_started=earlier_start(cfg).get("started") or time.time())
-    state.world_size = d.world_size
-    # The run's id: the checkpoint's, else that of an earlier start of this run (same start time).
-    state.run_id = state.run_id or provenance.recorded_run_id(Path(cfg.checkpoint.dir), state.run_started) \
-        or provenance.new_run_id()
-    state.corpus = corpus
-    if d.is_main:  # every start: the checkpoint dir names the run it holds (a fresh start, a new one)
-        provenance.remember_run(Path(cfg.checkpoint.dir), state.run_id, state.run_started)
+    state, loaded = starting_state(args, cfg, d, checkpointer, provenance.corpus_identity(cfg.data.dir, tokens.meta))
     replanned = loaded is not None and loaded.replanned
     if state.step >= cfg.train.total_steps and loaded is None:
         raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
@@ -464,37 +441,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     log.info("throughput floor: %s", f"{floor:.0f} tokens/s ({floor_source}), judged on steady intervals of the "
              "first hour" if floor else floor_source)
 
-    raw = Transformer(cfg.model)
-    if loaded is not None:
-        try:
-            raw.load_state_dict(loaded.model_state, strict=True)
-        except RuntimeError:  # a verified folder whose tensors are not this model's
-
-            raise DataOrConfigError(f"{loaded.path / MODEL_FILE}: the weights do not fit this config's model: "
-                                    f"{state_mismatch(raw, loaded.model_state)}") from None
-    if d.is_main:
-        check_space(checkpointer, loaded, raw)
-    raw.to(d.device)
-    backend = attention_backend(cfg.model, d.device)
-    raw.set_attention_backend(backend)
-    raw.use_kernels(use_kernels(cfg.train.kernels, d.device))
-    raw.use_cublaslt(cfg.train.cublaslt != "off" and d.device.type == "cuda")
-    if cfg.train.residual == "bf16":
-        raw.residual_dtype = torch.bfloat16
-    if cfg.train.float8 != "off":
-        float8.convert(raw, cfg.train.float8)
-    if cfg.train.distributed == "fsdp2":
-        D.wrap(raw, d, "fsdp2")
-    fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type == "cuda")
-    optimizer = torch.optim.AdamW(param_groups(raw, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                  betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=fused)
-    if loaded is not None:
-        try:
-            load_optimizer(raw, optimizer, loaded.optim_state)
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            why = str(e).splitlines()[0][:1000] if str(e) else ""
-            raise DataOrConfigError(f"{loaded.path / OPTIM_FILE}: the optimizer state does not fit this model's "
-                                    f"optimizer ({type(e).__name__}: {why})") from None
+    raw, backend = build_model(cfg, d, loaded, checkpointer)
+    optimizer = build_optimizer(cfg, raw, loaded, d.device)
 
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
                           extra_tags=lever_table.tags())
@@ -555,6 +503,77 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     run.compiles = CompileWatch()
     sink.heartbeat.beat(state.step, PHASE_TRAINING)
     return run
+
+
+def starting_state(args: argparse.Namespace, cfg: RunConfig, d: D.Dist, checkpointer: Checkpointer,
+                   corpus: dict[str, Any]):
+    """The state this process starts from: the checkpoint resumed (checked to belong to this run,
+    its RNG restored), else a fresh one. (state, the loaded checkpoint or None)."""
+    loaded = resume_point(args, cfg, checkpointer, d)
+    if loaded is not None:
+        check_provenance(args, cfg, loaded, corpus)
+        state = loaded.state
+        state.restarts += 1
+        state.config = cfg.resolved()
+        try:
+            restore_rng(state.rng)
+        except CheckpointError as e:
+            raise DataOrConfigError(f"{loaded.path}: {e}") from None
+        state.run_started = state.run_started or time.time() - state.train_seconds  # older checkpoints
+        log.info("resuming from %s at step %d (%d tokens seen)", loaded.path, state.step, state.tokens_seen)
+    else:
+        state = TrainerState(step=0, tokens_seen=0, config_hash=cfg.config_hash(), config=cfg.resolved(),
+                             sampler={}, world_size=d.world_size,
+                             run_started=earlier_start(cfg).get("started") or time.time())
+    state.world_size = d.world_size
+    # The run's id: the checkpoint's, else that of an earlier start of this run (same start time).
+    state.run_id = state.run_id or provenance.recorded_run_id(Path(cfg.checkpoint.dir), state.run_started) \
+        or provenance.new_run_id()
+    state.corpus = corpus
+    if d.is_main:  # every start: the checkpoint dir names the run it holds (a fresh start, a new one)
+        provenance.remember_run(Path(cfg.checkpoint.dir), state.run_id, state.run_started)
+    return state, loaded
+
+
+def build_model(cfg: RunConfig, d: D.Dist, loaded, checkpointer: Checkpointer) -> tuple[Transformer, str]:
+    """The model on its device with the resumed weights, its attention backend, kernels and
+    float8 chosen, sharded under FSDP2. (model, attention backend)."""
+    raw = Transformer(cfg.model)
+    if loaded is not None:
+        try:
+            raw.load_state_dict(loaded.model_state, strict=True)
+        except RuntimeError:  # a verified folder whose tensors are not this model's
+            raise DataOrConfigError(f"{loaded.path / MODEL_FILE}: the weights do not fit this config's model: "
+                                    f"{state_mismatch(raw, loaded.model_state)}") from None
+    if d.is_main:
+        check_space(checkpointer, loaded, raw)
+    raw.to(d.device)
+    backend = attention_backend(cfg.model, d.device)
+    raw.set_attention_backend(backend)
+    raw.use_kernels(use_kernels(cfg.train.kernels, d.device))
+    raw.use_cublaslt(cfg.train.cublaslt != "off" and d.device.type == "cuda")
+    if cfg.train.residual == "bf16":
+        raw.residual_dtype = torch.bfloat16
+    if cfg.train.float8 != "off":
+        float8.convert(raw, cfg.train.float8)
+    if cfg.train.distributed == "fsdp2":
+        D.wrap(raw, d, "fsdp2")
+    return raw, backend
+
+
+def build_optimizer(cfg: RunConfig, raw: Transformer, loaded, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the model's parameter groups (fused on CUDA), with the resumed state."""
+    fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and device.type == "cuda")
+    optimizer = torch.optim.AdamW(param_groups(raw, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=fused)
+    if loaded is not None:
+        try:
+            load_optimizer(raw, optimizer, loaded.optim_state)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            why = str(e).splitlines()[0][:1000] if str(e) else ""
+            raise DataOrConfigError(f"{loaded.path / OPTIM_FILE}: the optimizer state does not fit this model's "
+                                    f"optimizer ({type(e).__name__}: {why})") from None
+    return optimizer
 
 
 def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights | None:
