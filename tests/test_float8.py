@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import CONFIGS, REPO, TINY_CONFIG, cli_env, run_module, train_args
-from x1_pretrain import float8
 from x1_pretrain.config import ConfigError, load_config
 from x1_pretrain.model.transformer import Transformer
+from x1_pretrain.ops import float8
 
 pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
