@@ -185,7 +185,7 @@ def test_exit_80_is_final_for_the_watchdog_like_a_budget_stop():
 
 @pytest.mark.parametrize("field,value", [("C", -1.0), ("memory", 1.5), ("alpha", "x"), ("interval_scale", None)])
 def test_a_bad_priors_file_is_refused_naming_the_field(tmp_path: Path, field, value):
-    good = json.loads(Path(__file__).resolve().parents[1].joinpath("trainer/x1_pretrain/forecast_priors.json").read_text())
+    good = json.loads(Path(__file__).resolve().parents[1].joinpath("trainer/x1_pretrain/train/forecast_priors.json").read_text())
     path = tmp_path / "priors.json"
     path.write_text(json.dumps({**good, field: value}))
     with pytest.raises(ForecastError, match=f"'{field}'"):

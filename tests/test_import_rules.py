@@ -71,7 +71,6 @@ def test_no_import_cycle_between_the_projects_modules() -> None:
             if len(group) > 1:
                 cycles.append(sorted(group))
 
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
     for module in sorted(graph.modules):
         if module not in index:
             strongconnect(module)
