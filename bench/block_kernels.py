@@ -2,8 +2,9 @@
 query heads, 4 KV heads, head dim 64), timed alone on a CUDA GPU:
 
   rope       RoPE forward and backward on the fused qkv projection (`kernels.rope_qkv`), the
-             kernel as shipped at several launch shapes and the one before it (one program per
-             64 tokens x one head), with the bytes each moves per second;
+             kernel as shipped at several launch shapes, with the bytes each moves per second
+             (the kernel before it, one program per 64 tokens x one head, is in git at fa8f50d:
+             removed in 6c8dcc1; docs/PERFORMANCE.md has its figures);
   attention  SDPA (cuDNN) forward + backward with q, k, v in the layout the model hands over
              ((B, T, H, hd) memory, transposed views) against (B, H, T, hd) memory, each from
              the projection's output to the (B, T, C) input of the output projection, copies
@@ -53,9 +54,6 @@ def rope_rows(emit) -> None:
         emit({"bench": "rope", "kernel": name, "fwd_us": round(fwd * 1000, 1), "bwd_us": round(bwd * 1000, 1),
               "fwd_tb_s": round(gbytes / fwd, 2), "bwd_tb_s": round(gbytes / bwd, 2), "bit_identical_to_first": same})
 
-    K.ROPE_PER_HEAD = True
-    one("per-head (before)")
-    K.ROPE_PER_HEAD = False
     shipped = dict(K.ROPE_LAUNCH)
     for block, warps in ROPE_SHAPES:
         K.ROPE_LAUNCH = {"BLOCK_N": block, "num_warps": warps}
