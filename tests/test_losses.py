@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from x1_pretrain import losses
 from x1_pretrain.kernels import INTERPRET
 from x1_pretrain.losses import _HeadLoss, fused_available, fused_cross_entropy, head_cross_entropy
 
