@@ -61,8 +61,11 @@ class PlanError(Exception):
 
 
 def load(path: Path = PLANS) -> tuple[dict[str, list[str]], dict[str, dict]]:
-    data = tomllib.loads(path.read_text())
-    return data["variants"], data["plans"]
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise PlanError(f"{path}: {e}") from None
+    return data.get("variants", {}), data.get("plans", {})
 
 
 def variant_sets(variants: dict[str, list[str]], name: str) -> list[str]:
@@ -70,7 +73,7 @@ def variant_sets(variants: dict[str, list[str]], name: str) -> list[str]:
     sets: list[str] = []
     for part in name.split("+"):
         if part not in variants:
-            raise PlanError(f"no variant {part!r} in bench/plans.toml [variants]; there are: {', '.join(variants)}")
+            raise PlanError(f"no variant {part!r} in the plans' [variants]; there are: {', '.join(variants)}")
         sets += variants[part]
     return sets
 
@@ -78,7 +81,7 @@ def variant_sets(variants: dict[str, list[str]], name: str) -> list[str]:
 def check_plan(name: str, plans: dict[str, dict], variants: dict[str, list[str]]) -> dict:
     """The plan named, every step's kind, keys and variants checked."""
     if name not in plans:
-        raise PlanError(f"no plan {name!r} in bench/plans.toml; there are: {', '.join(plans)}")
+        raise PlanError(f"no plan {name!r} in the plans file; there are: {', '.join(plans)}")
     plan = plans[name]
     if extra := set(plan) - PLAN_KEYS:
         raise PlanError(f"plan {name!r}: unknown key(s) {sorted(extra)}; a plan takes {sorted(PLAN_KEYS)}")
@@ -115,9 +118,11 @@ class Driver:
         self.wheel_dir = wheels
 
     def wheels(self) -> Path | None:
+        if self.args.no_wheels:
+            return None
         if self.args.wheels:
             return Path(self.args.wheels)
-        return next((p for p in (REPO / ".whl", REPO / ".device" / "whl") if p.is_dir()), None)
+        return next((p for p in (REPO / ".whl", REPO / ".device" / "whl") if p.is_dir() and any(p.glob("*.whl"))), None)
 
     # -- running one command ---------------------------------------------------------------------
 
@@ -284,7 +289,7 @@ class Driver:
 
     def install_wheels(self) -> None:
         if not self.wheel_dir:
-            self.say("# no .whl/ or .device/whl/ here: no wheels installed")
+            self.say("# no wheels installed (none in .whl/ or .device/whl/, or --no-wheels)")
             return
         files = sorted(str(p) for p in self.wheel_dir.glob("*.whl"))
         argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
@@ -343,7 +348,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", help="comma-separated variants instead of the plan's (its variants steps)")
     p.add_argument("--deadline", type=float, help="seconds after the start past which no further variant starts")
     p.add_argument("--wheels", help="wheels to install first (default .whl/ or .device/whl/ where there)")
+    p.add_argument("--no-wheels", action="store_true", help="install no wheels: the machine has every package")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--plans", type=Path, default=PLANS, help="the plans file (default bench/plans.toml)")
     return p.parse_args(argv)
 
 
@@ -354,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key):
             setattr(args, key, str(Path(getattr(args, key)).absolute()))
     try:
-        variants, plans = load()
+        variants, plans = load(args.plans)
         if args.list:
             for name, plan in plans.items():
                 print(f"{name:14s} {plan.get('about', '')}")
@@ -370,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         missing = [need for need in plan.get("needs", []) if not getattr(args, need)]
         if missing and not args.dry_run:
             raise PlanError(f"plan {args.plan!r} needs " + " and ".join(f"--{m} (or {m.upper()})" for m in missing))
+        if args.wheels and not args.dry_run and not any(Path(args.wheels).glob("*.whl")):
+            raise PlanError(f"--wheels {args.wheels}: no .whl files there")
         for need in plan.get("needs", []):
             path = getattr(args, need)
             if path and not args.dry_run and not Path(path).exists():
