@@ -84,7 +84,7 @@ def test_a_variant_that_is_not_there_exits_2_before_any_work(tmp_path: Path):
     ('[[plans.p.steps]]\nrun = "variants"\nnames = ["shipped+ce-two-exp"]\n', "no variant 'ce-two-exp'"),
     ('[[plans.p.steps]]\nrun = "torchrun"\nvariant = "fused-ce"\nname = "x"\n', "no variant 'fused-ce'"),
     ('[[plans.p.steps]]\nrun = "benchmark"\n', "plan 'p', step 1: no step kind 'benchmark'"),
-    ('[[plans.p.steps]]\nrun = "reference"\npatch = "x1_pretrain.model.FOLD_NORMS=false"\n',
+    ('[[plans.p.steps]]\nrun = "reference"\npatch = "x1_pretrain.model.A_SWITCH=false"\n',
      "plan 'p', step 1 (reference): unknown key(s) ['patch']"),
     ('[[plans.p.steps]]\nrun = "command"\n', "plan 'p', step 1 (command): no argv"),
 ], ids=["variant", "torchrun-variant", "kind", "key", "argv"])
