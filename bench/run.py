@@ -252,8 +252,11 @@ class Driver:
 
     def step_command(self, step: dict) -> None:
         for folder in step.get("fresh", []):  # a work folder a previous call on this machine may have left
-            if not self.dry:
+            if self.dry:
+                self.say(f"rm -rf {folder}")
+            else:
                 shutil.rmtree(folder, ignore_errors=True)
+                self.log(f"removed {folder}")
         self.run([self.sub(a) for a in step["argv"]], step.get("out"), step, expect=step.get("expect", 0))
 
     def step_copy(self, step: dict) -> None:
