@@ -140,3 +140,14 @@ def test_a_real_run_writes_each_command_with_its_exit_code_and_the_table_with_th
     table = (out / "table.md").read_text()
     assert "ours shipped" in table and "reference ref-50M V=50257" in table
     assert "ours shipped" in proc.stdout  # the table, printed at the end
+
+
+def test_no_switch_the_benchmarks_once_flipped_by_monkeypatching_is_left_in_the_code_or_bench():
+    # Each is deleted or a config field now (docs/PERFORMANCE.md, "Deleted variants"); a variant is
+    # config overrides, so nothing in bench/ sets a module attribute to pick one.
+    gone = ("MAX_FIRST", "FUSED_ROPE", "FUSED_SWIGLU", "FUSED_HEAD_GRAD", "FOLD_NORMS", "ROPE_PER_HEAD",
+            "cublaslt.ENABLED", "--patch", "set_sdpa")
+    files = [*(REPO / "trainer").rglob("*.py"), *(REPO / "bench").rglob("*.py"), *(REPO / "bench").glob("*.toml"),
+             *(REPO / "bench").glob("*.sh")]
+    left = [f"{f.relative_to(REPO)}: {name}" for f in files for name in gone if name in f.read_text(encoding="utf-8")]
+    assert not left
