@@ -14,6 +14,7 @@ run, with its exit code and seconds; the plan's table (OUT/table.md) is printed 
 --dry-run checks the plan and prints the commands it would run, and runs nothing. A plan, step
 kind or variant that is not there, or a step key the kind does not take, exits 2 naming it.
 Exit 0 when every step ended with the code it expects, 1 otherwise (every step still runs).
+The driver itself needs only Python 3.11+ (tomllib), no package: it runs before the wheels are in.
 """
 
 from __future__ import annotations
