@@ -201,10 +201,10 @@ class DockerHandle:
     # -- the API version -----------------------------------------------------------------------
 
     def _client(self, version: ApiVersion) -> docker.APIClient:
-        # Building a client with an explicit version sends nothing: the socket is first used by
-        # the call made with it. Timeouts apply to every call (a hung daemon is a failed check).
-        return docker.DockerClient(base_url=f"unix://{self.socket_path}", version=str(version),
-                                   timeout=self.timeout).api
+        # The SDK's low-level client (DockerClient.api): it calls containers by name, where the
+        # high-level Container objects go by id. Built with an explicit version it sends nothing
+        # yet. The timeout applies to every call: a hung daemon is a failed check, not a hang.
+        return docker.APIClient(base_url=f"unix://{self.socket_path}", version=str(version), timeout=self.timeout)
 
     def _send(self, call: Callable[[docker.APIClient], T]) -> T:
         try:
