@@ -18,6 +18,7 @@ FROM ${TRAINER_BASE_IMAGE} AS trainer-base
 
 # ---- common: what every X1 image starts with --------------------------------------------------
 FROM ${X1_BASE} AS common
+# bash with pipefail in every stage over this one (hadolint, reading stage by stage, asks again: DL4006).
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -82,6 +83,7 @@ RUN --mount=type=secret,id=build-ca \
     && python -m pip install --no-cache-dir "torch==${TORCH_VERSION}" \
     && python /usr/local/bin/x1-torch-pin --version "${TORCH_VERSION}" --cuda "${TORCH_CUDA}"
 COPY trainer/requirements.txt /tmp/requirements.txt
+# hadolint ignore=DL4006
 RUN --mount=type=secret,id=build-ca \
     if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
     && python -m pip list --format=freeze | grep -iE '^torch==' > /tmp/x1-keep.txt \
