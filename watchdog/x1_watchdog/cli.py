@@ -257,7 +257,7 @@ def ensure_writable_dir(path: Path, option: str) -> None:
 
 def make_handle(args: argparse.Namespace, command: list[str], metrics: WatchdogMetrics) -> TrainerHandle:
     if args.mode == "docker":
-        from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
+        from x1_watchdog.docker import DockerHandle  # the Docker SDK: only docker mode installs it
 
         return DockerHandle(args.container, socket_path=args.docker_socket, on_engine=metrics.docker_engine)
     return ProcessHandle(command, log_path=args.trainer_log)
