@@ -513,6 +513,9 @@ def render_status(rec: InstanceRecord, inst: Instance | None, st: dict[str, Any]
 
         lines.append(f"restarts  {w.get('restarts_total') or 0} of the trainer on the instance"
                      + restart_summary(state, rec))
+        from x1_common.restarts import describe as describe_restart
+
+        lines += [f"          {describe_restart(r)}" for r in st.get("restarts") or []]
         lines.append(f"watchdog  on the instance: {describe_decision(w.get('last_event'))}")
         if w.get("final"):
             f = w["final"]
@@ -538,7 +541,9 @@ def restart_summary(state: StateDir, rec: InstanceRecord) -> str:
     down = sum(float(e.get("downtime_seconds") or 0) for e in events if e.get("event") == "start")
     if not back:
         return ""
-    return f", {len(back)} of the instance brought back by the off-host watchdog ({down:.0f} s down in all)"
+    # The instance's time away (lost -> running again), not a restart's downtime: that ends at the
+    # trainer's first step, and the stack's restarts lines give it.
+    return f", {len(back)} of the instance brought back by the off-host watchdog ({down:.0f} s until it was back)"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
