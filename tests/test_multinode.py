@@ -3,6 +3,11 @@ of the real Docker Engine, joined only by that network and by a named volume for
 (tests/multinode_cluster.py). Each node runs the image's `x1-train` with NNODES=2, RDZV_ENDPOINT
 and RDZV_ID, as a deployment does: torchrun's c10d rendezvous, gloo on the CPU, one process per node.
 
+In the lost-node tests each node also has its host's watchdog (`python -m x1_watchdog --mode
+docker`, from the same image, in a container of its own with the Engine's socket), as compose's
+watchdog service runs beside each host's trainer: the watchdogs and torchrun restart what the kill
+ends; the test starts nothing again.
+
 The hosts are `a` and `b`, and the rendezvous endpoint is on `b`: the rendezvous ranks the nodes
 by name, so global rank 0 (the one writer) runs on `a`, the host that is not the endpoint.
 
