@@ -22,13 +22,14 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from compose_stack import TORCH_IMAGE, TORCH_IMAGE_VERSION, ca_bundle, docker_problem, require_engine, run
 from multinode_cluster import PREFIX, SHARED, Cluster
 
+from budget_sidecar.poller import Poller
+from budget_sidecar.settings import SidecarSettings
 from conftest import REPO, cli_env, run_module, wait_for
 from conftest import train_args as one_host_train_args
 from x1_pretrain.weights import load_weights
@@ -169,15 +170,16 @@ def test_global_rank_0_alone_writes_and_each_host_heartbeat_names_its_node(unint
 
 
 @pytest.mark.timeout(1200)
-def test_a_budget_stop_on_rank_0_exits_76_on_every_node_after_one_checkpoint(cluster):
-    # Spend $10 of $35, and a projection the run's measured pace cannot meet: 2M steps at a CPU's
+def test_a_budget_stop_on_rank_0_exits_76_on_every_node_after_one_checkpoint(cluster, tmp_path):
+    # Spend $9.90 of $35, and a projection the run's measured pace cannot meet: 2M steps at a CPU's
     # pace. The plan's pace (--expected-tokens-per-sec) lets the launch through; the first steady
-    # interval makes rank 0's guard stop the run, and every node must stop with it.
-    now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-    cluster.write("budget/budget.json", json.dumps({
-        "spent_usd": 10.0, "rate_usd_per_hr": 1.10, "hours_elapsed": 9.1, "projected_total_usd": 20.0,
-        "last_update_utc": now, "cap_usd": 35.0, "provider": "static", "instance_id": "a+b",
-        "source": "provider-api", "stale": False}))
+    # interval makes rank 0's guard stop the run, and every node must stop with it. budget.json is
+    # the sidecar's own, for two nodes (4.5 h billed at $1.10/h each: the total and both parts).
+    doc = tmp_path / "budget.json"
+    Poller(SidecarSettings(provider="static", rate_usd_per_hr=1.10, nodes=2, initial_hours=4.5, output=doc, port=0),
+           None).poll_once()
+    assert json.loads(doc.read_text())["nodes"] == 2
+    cluster.write("budget/budget.json", doc.read_text())
     start_group(cluster, "budget", "--budget-cap-usd", "35", "--budget-curr-cost-uri", f"{SHARED}/budget/budget.json",
                 "--expected-tokens-per-sec", "1e9", "--ckpt-every", "100000", "--log-every", "2",
                 "--eval-every", "100000", total=2_000_000)
@@ -295,6 +297,25 @@ def test_a_node_that_never_returns_stops_the_survivor_cleanly_within_its_timeout
 # 4. How a user runs it
 
 
+def sidecar_settings(service: dict, tmp_path: Path) -> SidecarSettings:
+    """The settings the sidecar's command line gives it: its `sh -c` script run (compose's `$$`
+    unescaped) with a stand-in `python` that writes down its arguments, then parsed by the sidecar."""
+    from budget_sidecar.__main__ import build_parser, settings_from_args
+
+    stand_in = tmp_path / "bin" / "python"
+    stand_in.parent.mkdir(exist_ok=True)
+    stand_in.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\" > \"$ARGV_FILE\"\n")
+    stand_in.chmod(0o755)
+    argv_file = tmp_path / "sidecar-argv"
+    command = [part.replace("$$", "$") for part in service["command"]]
+    env = {k: "" if v is None else str(v) for k, v in service["environment"].items()}
+    subprocess.run(command, env={**env, "PATH": f"{stand_in.parent}:/usr/bin:/bin", "ARGV_FILE": str(argv_file)},
+                   check=True, timeout=30)
+    argv = argv_file.read_text().split("\0")[:-1]
+    assert argv[:2] == ["-m", "budget_sidecar"], argv
+    return settings_from_args(build_parser().parse_args(argv[2:]))
+
+
 def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rdzv_id(tmp_path):
     """compose.multinode.yaml over compose.yaml, as Compose renders it: the trainer on the host's
     network with the rendezvous settings of .env, and the trainer's effective flags (compose's
@@ -308,7 +329,8 @@ def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rd
         pytest.skip(docker_problem())
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"), "DOCKER_GID": "999",
            "X1_SHARED": "/lambda/nfs/x1-fs/shared", "NNODES": "2", "NPROC": "8",
-           "RDZV_ENDPOINT": "10.19.0.5:29400", "RDZV_ID": "x1-run-1"}
+           "RDZV_ENDPOINT": "10.19.0.5:29400", "RDZV_ID": "x1-run-1",
+           "INSTANCE_ID": "i-first", "INSTANCE_IDS": "i-first,i-second"}
     proc = run(["docker", "compose", "-p", "x1i44config", "-f", "compose.yaml", "-f", "compose.multinode.yaml",
                 "config", "--format", "json"], env=env, cwd=REPO)
     services = json.loads(proc.stdout)["services"]
@@ -320,6 +342,11 @@ def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rd
               for v in services[s]["volumes"] if s == "trainer" or v["target"] in ("/workspace", "/shared")}
     assert mounts["/shared"] == "/lambda/nfs/x1-fs/shared"
     assert services["budget-sidecar"]["volumes"][0]["source"] == "/lambda/nfs/x1-fs/shared"  # budget.json there
+    # One sidecar counts both instances: every host's id and the node count reach it.
+    assert {k: services["budget-sidecar"]["environment"][k] for k in ("INSTANCE_IDS", "NNODES")} == {
+        "INSTANCE_IDS": "i-first,i-second", "NNODES": "2"}
+    assert sidecar_settings(services["budget-sidecar"], tmp_path).instance_ids == ["i-first", "i-second"]
+    assert sidecar_settings(services["budget-sidecar"], tmp_path).nodes == 2
     args = build_parser().parse_args([*trainer["command"][1:], *shlex.split(trainer["environment"]["X1_TRAIN_EXTRA_ARGS"])])
     assert (args.ckpt_dir, args.budget_curr_cost_uri, args.mlflow_uri, args.run_dir) == (
         "/shared/checkpoints", "/shared/budget.json", "file:///shared/mlflow", "/shared/run")

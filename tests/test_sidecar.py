@@ -422,6 +422,15 @@ def test_static_rate_is_counted_once_per_node(stack) -> None:
     assert all(p["rate_usd_per_hr"] == 0.5 for p in b["instances"])
 
 
+def test_hours_billed_before_the_first_poll_are_charged_to_every_node(tmp_path: Path) -> None:
+    settings = SidecarSettings(provider="static", rate_usd_per_hr=1.10, nodes=2, initial_hours=4.5,
+                               output=tmp_path / "budget.json", port=0)
+    Poller(settings, None, clock=lambda: 1_000_000.0).poll_once()
+    b = json.loads((tmp_path / "budget.json").read_text())
+    assert b["spent_usd"] == pytest.approx(2 * 1.10 * 4.5) and b["rate_usd_per_hr"] == pytest.approx(2.2)
+    assert [(p["spent_usd"], p["hours_elapsed"]) for p in b["instances"]] == [(pytest.approx(4.95), 4.5)] * 2
+
+
 @pytest.mark.parametrize("args, env, named", [
     (["--provider", "lambda", "--instance-id", "i-1", "--nodes", "2"], {"LAMBDA_API_KEY": KEY}, "--instance-id"),
     (["--provider", "lambda", "--instance-id", "i-1,,i-2"], {"LAMBDA_API_KEY": KEY}, "--instance-id"),

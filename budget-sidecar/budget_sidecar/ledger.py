@@ -243,6 +243,10 @@ class Ledger:
             if initial_hours:
                 self.spent_usd += rate * initial_hours
                 self.hours_elapsed += initial_hours
+                for part in self.parts.values():
+                    if part["billing"] and part["rate_usd_per_hr"] is not None:
+                        part["spent_usd"] += part["rate_usd_per_hr"] * initial_hours
+                        part["hours_elapsed"] += initial_hours
         # For the time since the last poll we know neither when the price changed nor when the
         # instance stopped: charge the higher of the two rates, and bill if it billed at either end.
         interval_rate = rate if self.rate_usd_per_hr is None else max(rate, self.rate_usd_per_hr)
