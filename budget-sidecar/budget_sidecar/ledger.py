@@ -146,11 +146,11 @@ class Ledger:
             self.spent_usd += rate * hours
             self.hours_elapsed += hours
             for part in self.parts.values():
-                if part["billed_interval"] and part["interval_rate"] is not None:
+                if part.get("billed_interval") and part.get("interval_rate") is not None:
                     part["spent_usd"] += part["interval_rate"] * hours
                     part["hours_elapsed"] += hours
         for part in self.parts.values():
-            part["interval_rate"], part["billed_interval"] = part["rate_usd_per_hr"], part["billing"]
+            part["interval_rate"], part["billed_interval"] = part.get("rate_usd_per_hr"), part.get("billing", True)
         self.accrued_until = now
 
     # --- several hosts ----------------------------------------------------------------------
@@ -244,7 +244,7 @@ class Ledger:
                 self.spent_usd += rate * initial_hours
                 self.hours_elapsed += initial_hours
                 for part in self.parts.values():
-                    if part["billing"] and part["rate_usd_per_hr"] is not None:
+                    if part.get("billing") and part.get("rate_usd_per_hr") is not None:
                         part["spent_usd"] += part["rate_usd_per_hr"] * initial_hours
                         part["hours_elapsed"] += initial_hours
         # For the time since the last poll we know neither when the price changed nor when the
