@@ -181,8 +181,9 @@ def test_a_budget_stop_on_rank_0_exits_76_on_every_node_after_one_checkpoint(clu
     assert json.loads(doc.read_text())["nodes"] == 2
     cluster.write("budget/budget.json", doc.read_text())
     start_group(cluster, "budget", "--budget-cap-usd", "35", "--budget-curr-cost-uri", f"{SHARED}/budget/budget.json",
-                "--expected-tokens-per-sec", "1e9", "--ckpt-every", "100000", "--log-every", "2",
-                "--eval-every", "100000", total=2_000_000)
+                # The price ceiling is the run's, both hosts together, as DEPLOY section 10 says.
+                "--max-price-usd-per-hr", "2.40", "--expected-tokens-per-sec", "1e9", "--ckpt-every", "100000",
+                "--log-every", "2", "--eval-every", "100000", total=2_000_000)
     codes = {h: cluster.wait(h, timeout=600) for h in HOSTS}
     assert codes == {"a": 76, "b": 76}, cluster.all_logs()
     logs = {h: cluster.logs(h, tail=400) for h in HOSTS}
