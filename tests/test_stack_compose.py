@@ -115,6 +115,9 @@ VARIANTS = {
                            "X1_CONFIG": "configs/x1-50m-h200.yaml", "TOTAL_STEPS": "20000", "NPROC": "2",
                            "TRAIN_EXTRA_ARGS": "--inject-spike-at-step 12000", "MLFLOW_WORKERS": "4",
                            "STALL_SECONDS": "900", "BUDGET_POLL_SECONDS": "60", "TERMINATE_ON_FINISH": "1"},
+    # The first host of two: the sidecar counts both instances (INSTANCE_IDS), the watchdog its own.
+    "two-hosts": {"NNODES": "2", "RDZV_ENDPOINT": "10.19.0.5:29400", "RDZV_ID": "x1-run-1", "INSTANCE_ID": "i-first",
+                  "INSTANCE_IDS": "i-first,i-second"},
 }
 
 
