@@ -45,14 +45,14 @@ lint: $(STAMP)
 bench-tokenize: $(STAMP)
 	$(PY) bench/tokenize_throughput.py
 
-# The GPU benchmark runs on a machine with a CUDA GPU, from the repo root, beside the plain
-# reference (a copy of the reference script must be reachable as REFERENCE):
-#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized bash bench/gpu_run.sh
+# The GPU benchmarks run on a machine with a CUDA GPU, from the repo root, through one driver whose
+# plans are data (bench/plans.toml); the plain reference script must be reachable as REFERENCE:
+#   REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized OUT=out python3 bench/run.py throughput
 bench-gpu:
-	@echo "On the GPU host, from the repo root:"
-	@echo "  REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized bash bench/gpu_run.sh"
-	@echo "On a 2-GPU host, the scaling run (1 GPU, then DDP and FSDP2 on 2, then the reference):"
-	@echo "  REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized bash bench/device_scaling.sh"
+	@echo "On the GPU host, from the repo root (the data: bash bench/device_data.sh .device/data, here):"
+	@echo "  REFERENCE=path/to/reference_50m.py DATA=path/to/tokenized OUT=out python3 bench/run.py throughput"
+	@echo "The other plans (levers, path, scaling on a 2-GPU host, float8, restart-cost, kernels):"
+	@echo "  python3 bench/run.py --list; python3 bench/run.py PLAN --dry-run prints a plan's commands"
 
 clean:
 	rm -rf demo-workspace .pytest_cache

@@ -2,8 +2,9 @@
 query heads, 4 KV heads, head dim 64), timed alone on a CUDA GPU:
 
   rope       RoPE forward and backward on the fused qkv projection (`kernels.rope_qkv`), the
-             kernel as shipped at several launch shapes and the one before it (one program per
-             64 tokens x one head), with the bytes each moves per second;
+             kernel as shipped at several launch shapes, with the bytes each moves per second
+             (the kernel before it, one program per 64 tokens x one head, is in git at fa8f50d:
+             removed in 6c8dcc1; docs/PERFORMANCE.md has its figures);
   attention  SDPA (cuDNN) forward + backward with q, k, v in the layout the model hands over
              ((B, T, H, hd) memory, transposed views) against (B, H, T, hd) memory, each from
              the projection's output to the (B, T, C) input of the output projection, copies
@@ -31,6 +32,8 @@ ROPE_SHAPES = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8)]  # tokens 
 
 
 def rope_rows(emit) -> None:
+    import triton
+
     from x1_pretrain.model.transformer import rope_tables
     from x1_pretrain.ops import kernels as K
 
@@ -42,25 +45,35 @@ def rope_rows(emit) -> None:
     gbytes = 2 * qkv.numel() * 2 / 1e9  # read once, written once, fwd and bwd alike
     ref_out = None
 
-    def one(name: str) -> None:
+    def forward(launch: dict) -> list[torch.Tensor]:
+        # kernels.rope_qkv's launch, at the launch shape given (the op itself takes ROPE_LAUNCH)
+        q, k, v = (qkv.new_empty(B, T, n, HD) for n in (H, HKV, HKV))
+        K._rope_fwd_kernel[(triton.cdiv(B * T, launch["BLOCK_N"]),)](
+            qkv, cos, sin, q, k, v, qkv, B * T, T, H=H, HKV=HKV, HD=HD, HAS_SCALE=False, **launch)
+        return [q, k, v]
+
+    def backward(launch: dict) -> torch.Tensor:
+        # kernels.rope_qkv_backward's launch, likewise
+        out = dq.new_empty(B, T, (H + 2 * HKV) * HD)
+        K._rope_bwd_kernel[(triton.cdiv(B * T, launch["BLOCK_N"]),)](
+            dq, dk, dv, cos, sin, dq, out, B * T, T, *dq.stride(), *dk.stride(), *dv.stride(),
+            H=H, HKV=HKV, HD=HD, HAS_SCALE=False, **launch)
+        return out
+
+    def one(name: str, launch: dict) -> None:
         nonlocal ref_out
-        fwd = time_ms(lambda: K.rope_qkv(qkv, cos, sin, H, HKV))
-        bwd = time_ms(lambda: K.rope_qkv_backward(dq, dk, dv, cos, sin))
-        out = torch.cat([t.reshape(B * T, -1) for t in K.rope_qkv(qkv, cos, sin, H, HKV)]
-                        + [K.rope_qkv_backward(dq, dk, dv, cos, sin).reshape(B * T, -1)], dim=1)
+        fwd = time_ms(lambda: forward(launch))
+        bwd = time_ms(lambda: backward(launch))
+        out = torch.cat([t.reshape(B * T, -1) for t in forward(launch)] + [backward(launch).reshape(B * T, -1)], dim=1)
         same = True if ref_out is None else bool(torch.equal(out, ref_out))
         ref_out = out if ref_out is None else ref_out
         emit({"bench": "rope", "kernel": name, "fwd_us": round(fwd * 1000, 1), "bwd_us": round(bwd * 1000, 1),
               "fwd_tb_s": round(gbytes / fwd, 2), "bwd_tb_s": round(gbytes / bwd, 2), "bit_identical_to_first": same})
 
-    K.ROPE_PER_HEAD = True
-    one("per-head (before)")
-    K.ROPE_PER_HEAD = False
-    shipped = dict(K.ROPE_LAUNCH)
+    one(f"all heads, {K.ROPE_LAUNCH['BLOCK_N']} tokens x {K.ROPE_LAUNCH['num_warps']} warps (shipped)", K.ROPE_LAUNCH)
     for block, warps in ROPE_SHAPES:
-        K.ROPE_LAUNCH = {"BLOCK_N": block, "num_warps": warps}
-        one(f"all heads, {block} tokens x {warps} warps" + (" (shipped)" if K.ROPE_LAUNCH == shipped else ""))
-    K.ROPE_LAUNCH = shipped
+        if {"BLOCK_N": block, "num_warps": warps} != K.ROPE_LAUNCH:
+            one(f"all heads, {block} tokens x {warps} warps", {"BLOCK_N": block, "num_warps": warps})
 
 
 def attention_rows(emit, profile: bool) -> None:

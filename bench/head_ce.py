@@ -47,11 +47,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="append the results as JSON lines to this file")
     p.add_argument("--best", help="write the fastest forward-and-gradient launch here, as losses.GRAD_LAUNCH's JSON "
-                                  "(bench/train_throughput.py --patch x1_pretrain.losses.GRAD_LAUNCH=...)")
+                                  "(a candidate for losses.GRAD_LAUNCH, which the step then runs once it is committed there)")
     p.add_argument("--once", action="store_true",
                    help="only launch the forward-and-gradient kernel, then the forward kernel, once each (for a profiler: "
                         "ncu -k regex:_ce_fwd python bench/head_ce.py --once)")
-    p.add_argument("--grad-only", action="store_true", help="only the forward-and-gradient kernels' launches")
+    p.add_argument("--grad-only", action="store_true", help="only the forward-and-gradient kernel's launches")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("head_ce: needs a CUDA GPU", file=sys.stderr)
@@ -93,20 +93,17 @@ def main() -> int:
     best = (float("inf"), None)
     for block, k, warps, per_sm, (first, second) in GRAD_SHAPES:  # 1 read + 1 write if L2 serves the 2nd read
         regs = min(255, 65536 // (per_sm * warps * 32))  # as losses.ce_fwd_grad launches them
-        for name, kernel in (("forward + gradient", losses._ce_fwd_grad_kernel),
-                             ("forward + gradient, max first", losses._ce_fwd_grad_max_first_kernel)):
-            def launch(b=block, k=k, w=warps, p=per_sm, f=first, s=second, kernel=kernel, r=regs):
-                return kernel[(sms * p,)](logits, VP, grad, targets, loss, lse, N, V, VP,
-                                          BLOCK=b, K=k, FIRST=f, SECOND=s, num_warps=w, maxnreg=r)
-            compiled = launch()
-            ms = time_ms(launch)
-            info = f" ({getattr(compiled, 'n_regs', '?')} registers, {getattr(compiled, 'n_spills', '?')} spills)"
-            rows.append({"what": f"kernel: {name}, BLOCK={block} K={k} warps={warps} per SM={per_sm} "
-                                 f"hints={first or 'none'}/{second or 'none'}{info}",
-                         "ms": round(ms, 3), "TB_per_s": round(2 * gb / ms, 2)})
-            if kernel is losses._ce_fwd_grad_kernel:
-                best = min(best, (ms, {"BLOCK": block, "K": k, "num_warps": warps, "PER_SM": per_sm, "FIRST": first,
-                                       "SECOND": second}), key=lambda b: b[0])
+        def launch(b=block, k=k, w=warps, p=per_sm, f=first, s=second, r=regs):
+            return losses._ce_fwd_grad_kernel[(sms * p,)](logits, VP, grad, targets, loss, lse, N, V, VP,
+                                                          BLOCK=b, K=k, FIRST=f, SECOND=s, num_warps=w, maxnreg=r)
+        compiled = launch()
+        ms = time_ms(launch)
+        info = f" ({getattr(compiled, 'n_regs', '?')} registers, {getattr(compiled, 'n_spills', '?')} spills)"
+        rows.append({"what": f"kernel: forward + gradient, BLOCK={block} K={k} warps={warps} per SM={per_sm} "
+                             f"hints={first or 'none'}/{second or 'none'}{info}",
+                     "ms": round(ms, 3), "TB_per_s": round(2 * gb / ms, 2)})
+        best = min(best, (ms, {"BLOCK": block, "K": k, "num_warps": warps, "PER_SM": per_sm, "FIRST": first,
+                               "SECOND": second}), key=lambda b: b[0])
     if args.best:
         Path(args.best).write_text(json.dumps(best[1]))
     if args.grad_only:

@@ -43,7 +43,7 @@ def main() -> int:
     p.add_argument("--reference", help="the reference script's output (its rows and measured peak)")
     p.add_argument("--ours", required=True)
     p.add_argument("--reference-after", help="the reference script's output, run again after ours in the same call")
-    p.add_argument("--smi", help="nvidia-smi samples taken through the call (bench/gpu_run.sh writes smi.csv)")
+    p.add_argument("--smi", help="nvidia-smi samples taken through the call (bench/run.py writes smi.csv for a plan with smi = true)")
     args = p.parse_args()
     peak, ref_rows = parse_reference(open(args.reference).read()) if args.reference else (None, [])
     ours = [json.loads(line) for line in open(args.ours) if line.strip()]

@@ -12,7 +12,7 @@ spot reclaim): emergency checkpoint, exit 75, the watchdog relaunches it with
 from the run folder's manifest (the trainer's MLflow metrics joined with the watchdog's events):
 
   time to first step   each process: its start -> its first optimizer step done
-  preemption downtime  exit 75 -> the relaunched process's first step done
+  preemption downtime  SIGTERM -> the relaunched process's first step done (x1_common.restarts)
   checkpoint           SIGTERM -> exit (the emergency checkpoint)
   floor warnings       each process's "under the floor" lines, and its tokens/s per log interval
   matmul tuning        on a GPU, each process's cuBLASLt line: shapes timed, shapes kept from the file
@@ -37,6 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "trainer")]
+
+from x1_common.restarts import describe as describe_restart  # noqa: E402 - after the path
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss \S+ lr \S+ grad \S+ tok/s (\d+)")
 FLOOR_LINE = "under the floor"
@@ -174,12 +176,9 @@ def report(summary: dict, work: Path) -> str:
     for i, s in enumerate(summary["starts"], 1):
         lines.append(f"process {i}: first step {s['first_step']} done {s['startup_seconds']:.1f} s after its start")
     for r in summary["restarts"]:
-        if r.get("downtime_seconds") is None:
-            lines.append(f"restart {r['restart']} ({r.get('reason')}): {r.get('why')}")
-        else:
-            lines.append(f"restart {r['restart']} ({r.get('reason')}, exit {r.get('exit_code')}): "
-                         f"exit -> first step of the relaunched process {r['downtime_seconds']:.1f} s "
-                         f"(watchdog backoff {r.get('relaunch_delay_seconds')} s, its startup {r['startup_seconds']:.1f} s)")
+        extra = "" if r.get("downtime_seconds") is None else \
+            f" (watchdog backoff {r.get('relaunch_delay_seconds')} s, its startup {r['startup_seconds']:.1f} s)"
+        lines.append(describe_restart(r) + extra)
     for i, p in enumerate(summary["processes"], 1):
         tps = ", ".join(f"{s}:{t}" for s, t in p["tokens_per_sec"])
         ckpt = p["emergency_checkpoint_seconds"]

@@ -1,7 +1,7 @@
 """Throughput of the project's own training step and loop on a GPU (issue: GPU throughput).
 
     python bench/train_throughput.py --data-dir DATA --config configs/x1-50m-a100.yaml \\
-        [--variant shipped | --set train.kernels=torch ...] [--sdpa cudnn] [--steps 10] [--loop-steps 30] --json out.jsonl
+        [--variant shipped | --set train.kernels=torch ...] [--steps 10] [--loop-steps 30] --json out.jsonl
 
 Builds the run exactly as `python -m x1_pretrain.train` does (`train.setup`: data, model, compile,
 optimizer, MLflow, Prometheus, heartbeat, budget guard), then measures
@@ -28,9 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Every run compiles from scratch. The compile caches key on the traced graph, not on global
-# switches such as SDPA's backend flags: a second variant in the same place would otherwise
-# reuse the first one's attention kernels and measure them again.
+import tomllib
+
+# Every run compiles from scratch (its setup-and-compile seconds are reported), and a variant
+# never times kernels that an earlier process compiled and cached.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="x1-inductor-"))
 
 import torch  # noqa: E402
@@ -55,59 +56,22 @@ def matmul_peak_tflops() -> float:
     return 2 * n**3 / (start.elapsed_time(end) / 1000 / 10) / 1e12
 
 
-# The levers of docs/PERFORMANCE.md, one per process. Each is config overrides (and/or a global
-# SDPA backend switch) on top of configs/x1-50m-a100.yaml; the loop's code is the same in all.
-VARIANTS: dict[str, dict] = {
-    "plain": {"sets": ["model.pad_vocab_to_multiple_of=1", "train.kernels=torch"]},
-    "padded": {"sets": ["train.kernels=torch"]},
-    "shipped": {"sets": []},  # the config as shipped: padded vocab + our CE, RoPE and SwiGLU kernels
-    "sm80": {"sets": ["train.gpu_arch=sm80"]},  # the levers an A100 gets, on whatever GPU runs it
-    "fused-ce": {"patch": {"x1_pretrain.model.transformer.FUSED_ROPE": False, "x1_pretrain.model.transformer.FUSED_SWIGLU": False}},
-    "no-rope-kernel": {"patch": {"x1_pretrain.model.transformer.FUSED_ROPE": False}},
-    "no-swiglu-kernel": {"patch": {"x1_pretrain.model.transformer.FUSED_SWIGLU": False}},
-    "sdpa-cudnn": {"sets": [], "sdpa": "cudnn"},
-    "sdpa-flash": {"sets": [], "sdpa": "flash"},
-    "sdpa-efficient": {"sets": [], "sdpa": "efficient"},
-    "cudagraphs": {"sets": ["train.compile_mode=reduce-overhead"]},
-    "max-autotune": {"sets": ["train.compile_mode=max-autotune-no-cudagraphs"]},
-    "no-prefetch": {"sets": ["data.prefetch=0"]},
-    "adamw-foreach": {"sets": ["optim.fused=off"]},
-    "micro-64": {"sets": ["train.micro_batch_size=64"]},
-    "micro-128": {"sets": ["train.micro_batch_size=128"]},  # 128 x 4: the same 524,288-token step
-    "residual-bf16": {"sets": ["train.residual=bf16"]},
-    "eager": {"sets": ["train.compile=false"]},
-    "coord-descent": {"patch": {"torch._inductor.config.coordinate_descent_tuning": True}},
-    "compiled-autograd": {"sets": ["train.compiled_autograd=on"]},
-    "ce-bwd-8k": {"patch": {"x1_pretrain.ops.losses.BWD_LAUNCH": {"BLOCK": 8192, "num_warps": 16}}},
-    "cublaslt": {"blas": "cublaslt"},
-    "no-head-grad": {"patch": {"x1_pretrain.model.transformer.FUSED_HEAD_GRAD": False}},  # the loss's two kernels, as before
-    "no-norm-fold": {"patch": {"x1_pretrain.model.transformer.FOLD_NORMS": False}},  # the norms written out, as before call 35
-    # autocast's casts and autograd's accumulation, as before call 43
-    "casts-per-micro-step": {"sets": ["train.weight_casts=per-micro-step", "train.grad_accumulation=autograd"]},
-    "grad-by-autograd": {"sets": ["train.grad_accumulation=autograd"]},  # as from call 43 to call 46
-    "aggressive-fusion": {"patch": {"torch._inductor.config.aggressive_fusion": True}},
-    "combo-kernels": {"patch": {"torch._inductor.config.combo_kernels": True}},
-    "float8": {"sets": ["train.float8=tensorwise"]},
-    "float8-rowwise": {"sets": ["train.float8=rowwise"]},
-    # A model four times wider (d_model 2048, head dim 128, 4 layers, ~180M non-embedding
-    # parameters): where float8's saving in the matmuls can outgrow its casts. Not the reference's model.
-    "ce-two-exp": {"patch": {"x1_pretrain.ops.losses.MAX_FIRST": False}},  # the loss kernel before call 54
-    "untuned-matmuls": {"sets": ["train.cublaslt=off"]},  # cuBLAS's first algorithm, always
-    "wide": {"sets": ["model.d_model=2048", "model.n_head=16", "model.n_kv_head=4", "model.d_ff=5632",
-                      "model.n_layer=4", "train.micro_batch_size=16"]},
-}
+# The variants of the step (bench/plans.toml [variants]): each a list of config overrides on top
+# of configs/x1-50m-a100.yaml; the loop's code is the same in all.
+PLANS = Path(__file__).with_name("plans.toml")
+VARIANTS: dict[str, list[str]] = tomllib.loads(PLANS.read_text())["variants"]
 
 
-def resolve_variant(name: str) -> dict:
-    """'a+b' combines levers: their overrides, SDPA switch and module patches."""
-    out: dict = {"sets": [], "sdpa": None, "blas": None, "patch": {}}
+def resolve_variant(name: str) -> list[str]:
+    """'a+b' combines variants: their overrides in that order. A name not in the table is refused
+    (ValueError naming it and those there are): a misspelt variant would otherwise be timed as
+    something else."""
+    sets: list[str] = []
     for part in name.split("+"):
-        v = VARIANTS[part]
-        out["sets"] += v.get("sets", [])
-        out["sdpa"] = v.get("sdpa", out["sdpa"])
-        out["blas"] = v.get("blas", out["blas"])
-        out["patch"].update(v.get("patch", {}))
-    return out
+        if part not in VARIANTS:
+            raise ValueError(f"no variant {part!r} in {PLANS.name} [variants]; there are: {', '.join(VARIANTS)}")
+        sets += VARIANTS[part]
+    return sets
 
 
 def gpu_work(trace: Path) -> list[dict]:
@@ -153,53 +117,12 @@ def kernel_table(events: list[dict], top: int = 60) -> str:
     return "\n".join(lines)
 
 
-def patch_target(dotted: str) -> tuple[object, str]:
-    """MODULE.ATTR as (the object holding ATTR, ATTR). The module is the longest prefix that
-    imports; what follows it may be dotted too (torch._inductor.config.triton.X). An ATTR that is
-    not there is refused: a misspelt switch would be set on nothing and the lever timed as the step."""
-    import importlib
-
-    parts = dotted.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        name = ".".join(parts[:cut])
-        try:
-            obj = importlib.import_module(name)
-            break
-        except ModuleNotFoundError as e:
-            if e.name is None or not name.startswith(e.name):  # a module that is there failed its own imports
-                raise
-    else:
-        raise ModuleNotFoundError(f"{dotted}: no module to import in it")
-    for name in parts[cut:-1]:
-        obj = getattr(obj, name)
-    if not hasattr(obj, parts[-1]):
-        raise AttributeError(f"--patch {dotted}: {parts[-1]} is not there to switch")
-    return obj, parts[-1]
-
-
-def apply_patches(patches: dict) -> None:
-    for dotted, value in patches.items():
-        setattr(*patch_target(dotted), value)
-
-
-def set_sdpa(backend: str | None) -> None:
-    """Global SDPA backend switches (the loop's code is untouched)."""
-    if backend is None:
-        return
-    b = torch.backends.cuda
-    b.enable_flash_sdp(backend == "flash")
-    b.enable_cudnn_sdp(backend == "cudnn")
-    b.enable_mem_efficient_sdp(backend == "efficient")
-    b.enable_math_sdp(backend == "math")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(REPO / "configs/x1-50m-a100.yaml"))
     p.add_argument("--data-dir", required=True)
-    p.add_argument("--variant", help=f"a named lever, or several joined by +: {', '.join(VARIANTS)}")
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--sdpa", choices=["flash", "cudnn", "efficient", "math"])
+    p.add_argument("--variant", help=f"a named variant (bench/plans.toml), or several joined by +: {', '.join(VARIANTS)}")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="a config override")
     p.add_argument("--profile", action="store_true",
                    help="print the top CUDA kernels of the profiled bare steps (--profile-steps) and their GPU idle time")
     p.add_argument("--trace", help="with --profile: keep the profiled steps' Chrome trace here")
@@ -209,38 +132,33 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="optimizer steps timed for the bare step")
     p.add_argument("--loop-steps", type=int, default=30, help="optimizer steps of the full loop (0 skips it)")
     p.add_argument("--peak-tflops", type=float, help="measured matmul peak (measured here when omitted)")
-    p.add_argument("--patch", action="append", default=[], metavar="MODULE.ATTR=JSON",
-                   help="a module switch set before setup, its value as JSON (bench/head_ce.py --best writes one)")
     p.add_argument("--name", default="ours")
     p.add_argument("--json", help="append the result as a JSON line to this file")
     args = p.parse_args()
     if args.profile_steps < 1:
         p.error(f"--profile-steps must be at least 1, got {args.profile_steps}")
-    patches: dict = {}
     if args.variant:
-        v = resolve_variant(args.variant)
-        args.set = v["sets"] + args.set
-        args.sdpa = args.sdpa or v["sdpa"]
-        patches = v["patch"]
-        if v["blas"] and torch.cuda.is_available():  # which BLAS library every matmul goes to
-            torch.backends.cuda.preferred_blas_library(v["blas"])
+        try:
+            args.set = resolve_variant(args.variant) + args.set
+        except ValueError as e:
+            p.error(str(e))
         args.name = args.variant if args.name == "ours" else args.name
 
     from x1_common.fsutil import write_json_atomic
+    from x1_pretrain.config import ConfigError, load_config
     from x1_pretrain.train.components import StopSignal, Throughput
     from x1_pretrain.train.loop import accumulate, train_loop
     from x1_pretrain.train.parser import build_parser, config_from_args
     from x1_pretrain.train.setup import setup
 
-    for item in args.patch:
-        dotted, _, value = item.partition("=")
-        patches[dotted] = json.loads(value)
-    apply_patches(patches)
+    try:  # an override naming a field that is not there (or a value it refuses): before any work
+        load_config(args.config, args.set)
+    except ConfigError as e:
+        p.error(f"the config with {args.set}: {e}")
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)  # CPU: a dry run of this script
     peak = args.peak_tflops or (matmul_peak_tflops() if cuda else 1.0)
-    set_sdpa(args.sdpa)
     work = Path(tempfile.mkdtemp(prefix="x1-bench-"))
     budget = work / "budget.json"
     write_json_atomic(budget, {"spent_usd": 1.0, "rate_usd_per_hr": 3.5, "hours_elapsed": 0.3,
@@ -326,7 +244,7 @@ def main() -> int:
 
     fpt = run.flops_per_token
     result = {
-        "name": args.name, "sets": args.set, "sdpa": args.sdpa or "default", "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "name": args.name, "sets": args.set, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "micro_batch": run.micro_batch, "grad_accum": run.grad_accum,
         "kernels": "triton" if run.raw_model.fused_loss else "torch", "padded_vocab": cfg.model.padded_vocab_size,
         "bare_tokens_per_sec": round(bare_tps), "bare_tflops": round(bare_tps * fpt / 1e12, 1),

@@ -6,6 +6,7 @@ not a network filesystem).
     cluster = Cluster(image)                 # a network and a volume, named x1-i44-<id>-...
     cluster.put(tokenized_dir, "data")       # host folder -> /shared/data
     cluster.node("a", args, NNODES="2", RDZV_ENDPOINT="b:29400", RDZV_ID="r1")
+    cluster.watchdog("a", "/shared/r1/a.")   # a's own watchdog (x1_watchdog, docker mode), as on its host
     cluster.wait("a")                        # the container's exit code
     cluster.fetch("ckpt/final.safetensors", dest)
     cluster.remove()                         # containers, network, volume
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import tarfile
 import time
@@ -93,6 +95,31 @@ class Cluster:
              *[x for k, v in env.items() for x in ("-e", f"{k}={v}")], self.image, "x1-train", *args], timeout=120)
         self.nodes[name] = container
         return container
+
+    def watchdog(self, name: str, records: str, *opts: str) -> str:
+        """Start node `name`'s watchdog: `python -m x1_watchdog --mode docker` from the node's image, in
+        a container of its own with the Engine's socket, as compose.yaml's watchdog service runs beside
+        each host's trainer. It adopts the running node container, relaunches it after a crash or a
+        kill, and exits with the final code. `records`: the prefix (under /shared) of its heartbeat
+        (<records>heartbeat.json, the trainer's), events and state files. Returns the container name."""
+        container = f"{self.nodes[name]}-watchdog"
+        run(["docker", "rm", "-f", container], check=False)
+        # The image's user (uid 1000) reaches the socket through its group, as compose's group_add.
+        gid = str(os.stat("/var/run/docker.sock").st_gid)
+        run(["docker", "run", "-d", "--name", container, "--network", "none", "--label", f"{PREFIX}=1",
+             "--group-add", gid, "-v", "/var/run/docker.sock:/var/run/docker.sock", "-v", f"{self.volume}:{SHARED}",
+             "-e", "PYTHONUNBUFFERED=1", self.image, "python", "-m", "x1_watchdog", "--mode", "docker",
+             "--container", self.nodes[name], "--heartbeat-file", f"{records}heartbeat.json",
+             "--events-file", f"{records}watchdog-events.jsonl", "--state-file", f"{records}watchdog-state.json",
+             "--port", "0", *opts], timeout=120)
+        self.nodes[f"{name}-watchdog"] = container
+        return container
+
+    def events(self, records: str) -> list[dict[str, Any]]:
+        """The JSON lines of a watchdog's events file (`records` as given to watchdog())."""
+        proc = subprocess.run(["docker", "run", "--rm", "-v", f"{self.volume}:{SHARED}:ro", self.image, "cat",
+                               f"{records}watchdog-events.jsonl"], capture_output=True, text=True, timeout=120)
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
     def wait(self, name: str, timeout: float = 300) -> int:
         """The node's exit code once its container has stopped."""

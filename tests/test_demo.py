@@ -150,6 +150,14 @@ def test_demo_runs_the_stack_through_a_preemption_and_passes_every_dod_check(tmp
     from x1_pretrain.stack.demo import BAND
 
     assert manifest["loss_curve_band"] == list(BAND) and dod["band"] == list(BAND), (manifest, dod)
+    # One figure for the preemption: the manifest's, `stack status`'s (printed before the export,
+    # from trainer.log and the watchdog's events) and the demo's own line say the same.
+    from x1_common.restarts import describe
+
+    (restart,) = manifest["restart_cost"]["restarts"]
+    assert (restart["cause"], restart["stopped_by"]) == ("preempted", "SIGTERM") and restart["downtime_seconds"] > 0
+    status_part, _, after = text.partition("== Export, post-mortem, definition of done")
+    assert f"  {describe(restart)}" in status_part and describe(restart) in after, (restart, text[-6000:])
     assert f"finish (export_run, post-mortem, dod with the band {BAND[0]:g}-{BAND[1]:g}): exit 0" in text
 
     # The key: in no file of the workspace (the MLflow database and the logs included), not printed.

@@ -462,9 +462,11 @@ def test_restart_cost_without_watchdog_events_comes_from_the_trainers_metrics(sp
     assert export_main("--mlflow-uri", uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(spiked_run.ckpt)) == 0
     cost = json.loads((tmp_path / "run" / "manifest.json").read_text())["restart_cost"]
     assert [(s["first_step"], s["startup_seconds"]) for s in cost["starts"]] == [(1, 12.5), (11, 8.0)]
-    assert cost["restarts"] == [{"restart": 1, "resumed_first_step": 11, "startup_seconds": 8.0, "downtime_seconds": 21.0,
-                                 "source": "trainer (MLflow downtime_seconds)"}]
-    assert cost["downtime_seconds_total"] == 21.0 and "last heartbeat" in cost["downtime_note"]
+    # A run from before the stop records: its trainer logged the downtime from the last heartbeat.
+    (restart,) = cost["restarts"]
+    assert (restart["restart"], restart["resumed_first_step"], restart["startup_seconds"], restart["downtime_seconds"],
+            restart["stopped_by"], restart["cause"]) == (1, 11, 8.0, 21.0, "last heartbeat", None)
+    assert cost["downtime_seconds_total"] == 21.0 and "SIGTERM" in cost["downtime_note"]
 
 
 def test_restart_cost_with_events_is_the_exit_to_the_relaunched_first_step_and_a_gap_without_one_is_not_measured(
@@ -492,19 +494,75 @@ def test_restart_cost_with_events_is_the_exit_to_the_relaunched_first_step_and_a
                        "--events-file", str(path)) == 0
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     one, two = manifest["restart_cost"]["restarts"]
-    assert (one["reason"], one["downtime_seconds"], one["relaunch_delay_seconds"], one["startup_seconds"]) == \
+    assert (one["cause"], one["downtime_seconds"], one["relaunch_delay_seconds"], one["startup_seconds"]) == \
         ("preempted", 10.0, 2.0, 6.0)
-    assert two["reason"] == "killed" and two["downtime_seconds"] is None and two["why"].startswith("not measured")
+    assert one["stopped_by"] == "exit"  # no stop record from that trainer: the watchdog's exit event
+    assert two["cause"] == "killed" and two["downtime_seconds"] is None and two["why"].startswith("not measured")
     assert manifest["restart_cost"]["downtime_seconds_total"] is None and manifest["restarts"] == 2
 
 
-def test_the_throughput_plot_breaks_its_line_at_each_restart() -> None:
-    from x1_pretrain.run.export import _gaps, _segments
+def test_each_restart_is_its_own_band_from_its_stop_to_the_next_step_with_no_throughput_point_inside(
+        spiked_run: SpikedRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two restarts resumed from the same checkpoint (step 12): a SIGTERM, then a kill of the
+    relaunched process. Each gets its own band and its own figure; the point the first process
+    logged after its SIGTERM is inside the first band and is not drawn."""
+    from x1_pretrain.run import plots
+    from x1_watchdog.records import iso_time
 
-    tps = [(10, 100.0), (20, 110.0), (30, 120.0), (40, 90.0), (50, 95.0)]
-    wall = [(10, 0.1), (20, 0.2), (30, 0.3), (40, 0.5), (50, 0.6)]
-    assert _segments(tps, wall, [20]) == [[(0.1, 100.0), (0.2, 110.0)], [(0.3, 120.0), (0.5, 90.0), (0.6, 95.0)]]
-    assert _segments(tps, wall, [20, 30]) == [[(0.1, 100.0), (0.2, 110.0)], [(0.3, 120.0)], [(0.5, 90.0), (0.6, 95.0)]]
-    assert _segments(tps, wall, []) == [[(h, v) for (_, h), (_, v) in zip(wall, tps, strict=True)]]
-    assert _gaps(tps, wall, [20, 30], {20: 42.4}) == [
-        (0.2, 0.3, "restart: 42 s from the exit to the next step"), (0.3, 0.5, "restart (downtime not measured)")]
+    t0 = 1_800_000_000.0
+
+    def at(name: str, value: float, secs: float, step: int) -> tuple[str, float, int, int]:
+        return (name, value, int((t0 + secs) * 1000), step)
+
+    def point(secs: float, step: int, tps: float) -> list[tuple[str, float, int, int]]:
+        return [at("tokens_per_sec", tps, secs, step), at("wall_hours", secs / 3600, secs, step)]
+
+    metrics = [at("startup_seconds", 10.0, 10, 1), at("first_step_unix", t0 + 10, 10, 1)]
+    metrics += point(20, 5, 100.0) + point(30, 10, 110.0) + point(34, 12, 105.0)  # 12: logged after the SIGTERM (33)
+    # The second process: the first's SIGTERM record; logs step 15, then is killed (no stop record).
+    second = {"startup_seconds": 13.0, "first_step_unix": t0 + 50, "stopped_unix": t0 + 33, "stopped_by": 0.0,
+              "stopped_step": 12.0, "downtime_seconds": 17.0}
+    metrics += [at(k, v, 50, 13) for k, v in second.items()] + point(55, 15, 90.0)
+    # The third: resumed from step 12 again; the second's last heartbeat (step 15) is all it knew.
+    third = {"startup_seconds": 16.0, "first_step_unix": t0 + 80, "stopped_unix": t0 + 55, "stopped_by": 2.0,
+             "stopped_step": 15.0}
+    metrics += [at(k, v, 80, 13) for k, v in third.items()] + point(80, 13, 95.0) + point(95, 20, 120.0)
+    events = [{"event": "start", "time": iso_time(t0)},
+              {"event": "exit", "exit_code": 75, "reason": "preempted", "time": iso_time(t0 + 35)},
+              {"event": "relaunch", "exit_code": 75, "reason": "preempted", "downtime_seconds": 2.0,
+               "time": iso_time(t0 + 37)},
+              {"event": "start", "time": iso_time(t0 + 37)},
+              {"event": "exit", "exit_code": 137, "reason": "killed", "time": iso_time(t0 + 60)},
+              {"event": "relaunch", "exit_code": 137, "reason": "killed", "downtime_seconds": 4.0,
+               "time": iso_time(t0 + 64)},
+              {"event": "start", "time": iso_time(t0 + 64)},
+              {"event": "exit", "exit_code": 0, "reason": "finished", "time": iso_time(t0 + 100)}]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    uri = f"sqlite:///{tmp_path / 'bands.db'}"
+    new_run(uri, spiked_run, metrics)
+    drawn: dict = {}
+    real = plots.throughput_curve
+
+    def capture(out, segments, **kw):
+        drawn.update(segments=segments, **kw)
+        real(out, segments, **kw)
+
+    monkeypatch.setattr(plots, "throughput_curve", capture)
+    assert export_main("--mlflow-uri", uri, "--output", str(tmp_path / "run"), "--ckpt-dir", str(spiked_run.ckpt),
+                       "--events-file", str(path)) == 0
+
+    one, two = json.loads((tmp_path / "run" / "manifest.json").read_text())["restart_cost"]["restarts"]
+    assert (one["stopped_by"], one["stopped_at_step"], one["resumed_first_step"], one["downtime_seconds"], one["cause"]) \
+        == ("SIGTERM", 12, 13, 17.0, "preempted")
+    # The kill left no stop record: the watchdog's exit event (60), not the last heartbeat (55).
+    assert (two["stopped_by"], two["stopped_at_step"], two["downtime_seconds"], two["cause"]) == ("exit", 15, 20.0, "killed")
+
+    bands = drawn["gaps"]
+    assert [label for _, _, label in bands] == ["restart 1: 17.0 s", "restart 2: 20.0 s"]
+    assert [(round(lo * 3600, 3), round(hi * 3600, 3)) for lo, hi, _ in bands] == [(33.0, 50.0), (60.0, 80.0)]
+    plotted = [(round(h * 3600, 3), v) for seg in drawn["segments"] for h, v in seg]
+    assert plotted == [(20.0, 100.0), (30.0, 110.0), (55.0, 90.0), (80.0, 95.0), (95.0, 120.0)]
+    assert not [h for h, _ in plotted for lo, hi, _ in bands if lo * 3600 <= h < hi * 3600]
+    assert len(drawn["segments"]) == 3  # a line never crosses a band
+    assert (tmp_path / "run" / "throughput.png").stat().st_size > 0

@@ -116,6 +116,30 @@ def test_billing_integrates_the_price_over_time_scaled_hours() -> None:
     assert cloud.state()["billed_usd"] == pytest.approx(2.20 + 3.30)
 
 
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_several_instances_bill_each_its_own_price_and_one_can_vanish_from_the_api(provider: str) -> None:
+    clock = Clock()
+    cloud = FakeCloud(provider, "inst-a,inst-b", 1.10, 3600.0, clock=clock)
+    client = TestClient(create_app(cloud, KEY))
+    cloud.control({"price_usd_per_hr": 3.3, "instance_id": "inst-b"})  # inst-b alone
+    clock.t += 1.0
+    s = cloud.state()["instances"]
+    assert {i: (v["price_usd_per_hr"], v["billed_usd"]) for i, v in s.items()} == {
+        "inst-a": (1.10, pytest.approx(1.10)), "inst-b": (3.3, pytest.approx(3.3))}
+    if provider == "lambda":
+        r = client.get("/api/v1/instances/inst-b", headers=AUTH)
+        assert parse_lambda_instance(r.json()["data"]).price_usd_per_hr == pytest.approx(3.3)
+    else:
+        assert parse_runpod_pod(pod(client, "inst-b")["data"]["pod"]).price_usd_per_hr == pytest.approx(3.3)
+    cloud.control({"vanish": True, "instance_id": "inst-b"})
+    if provider == "lambda":
+        assert client.get("/api/v1/instances/inst-b", headers=AUTH).status_code == 404
+        assert client.get("/api/v1/instances/inst-a", headers=AUTH).status_code == 200
+    else:
+        assert pod(client, "inst-b")["data"]["pod"] is None and pod(client, "inst-a")["data"]["pod"]
+    assert client.post("/_control", json={"vanish": True}).status_code == 400  # which one, named
+
+
 def test_fail_mode_500_answers_server_errors_in_the_provider_shape() -> None:
     cloud, client, _ = make("lambda")
     cloud.control({"fail_mode": "500"})

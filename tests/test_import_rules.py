@@ -28,6 +28,7 @@ LOOP_FILE = PACKAGES["x1_pretrain"] / "train" / "loop.py"
 LAZY_ALLOWED = {
     ("trainer/x1_pretrain/run/dod.py", "x1_pretrain.checkpoint.load"): "torch: dod runs where torch is not installed",
     ("trainer/x1_pretrain/run/dod.py", "x1_pretrain.checkpoint.weights"): "torch, as above",
+    ("watchdog/x1_watchdog/cli.py", "x1_watchdog.docker"): "the Docker SDK: only docker mode installs it",
 }
 
 

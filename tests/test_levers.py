@@ -181,7 +181,7 @@ def _arg_default(text: str, name: str) -> str:
 
 
 def test_the_image_pin_the_floor_and_the_measured_figures_agree():
-    dockerfile = (REPO / "trainer" / "Dockerfile").read_text()
+    dockerfile = (REPO / "Dockerfile").read_text()
     assert _arg_default(dockerfile, "TORCH_VERSION") == levers.TORCH_MEASURED
     assert _arg_default(dockerfile, "TORCH_CUDA") == levers.CUDA_MEASURED
     assert "nvcr.io" not in dockerfile

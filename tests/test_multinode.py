@@ -3,6 +3,11 @@ of the real Docker Engine, joined only by that network and by a named volume for
 (tests/multinode_cluster.py). Each node runs the image's `x1-train` with NNODES=2, RDZV_ENDPOINT
 and RDZV_ID, as a deployment does: torchrun's c10d rendezvous, gloo on the CPU, one process per node.
 
+In the lost-node tests each node also has its host's watchdog (`python -m x1_watchdog --mode
+docker`, from the same image, in a container of its own with the Engine's socket), as compose's
+watchdog service runs beside each host's trainer: the watchdogs and torchrun restart what the kill
+ends; the test starts nothing again.
+
 The hosts are `a` and `b`, and the rendezvous endpoint is on `b`: the rendezvous ranks the nodes
 by name, so global rank 0 (the one writer) runs on `a`, the host that is not the endpoint.
 
@@ -17,13 +22,14 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from compose_stack import TORCH_IMAGE, TORCH_IMAGE_VERSION, ca_bundle, docker_problem, require_engine, run
 from multinode_cluster import PREFIX, SHARED, Cluster
 
+from budget_sidecar.poller import Poller
+from budget_sidecar.settings import SidecarSettings
 from conftest import REPO, cli_env, run_module, wait_for
 from conftest import train_args as one_host_train_args
 from x1_pretrain.checkpoint.load import load_weights
@@ -38,7 +44,7 @@ HOSTS = ("a", "b")
 # waits JOIN_TIMEOUT_S for the others to (re)join before it exits 1.
 DIST_TIMEOUT_S = 20
 JOIN_TIMEOUT_S = 40
-BACK_AFTER_S = 10  # a lost node's host comes back this long after it was killed
+WATCHDOG_MAX_RESTARTS = 10  # compose.yaml's MAX_RESTARTS default
 
 
 @pytest.fixture(scope="session")
@@ -80,12 +86,21 @@ def train_args(run_name: str, host: str, *extra: str, total: int = STEPS) -> lis
             "--heartbeat-file", f"{root}/{host}.heartbeat.json", "--resume-from-latest", *extra]
 
 
-def start_group(c: Cluster, run_name: str, *extra: str, total: int = STEPS, **env: str) -> None:
-    """Both nodes of one run: the endpoint's host first (its agent hosts the rendezvous store)."""
+def start_group(c: Cluster, run_name: str, *extra: str, total: int = STEPS, watchdogs: bool = False,
+                **env: str) -> None:
+    """Both nodes of one run: the endpoint's host first (its agent hosts the rendezvous store). With
+    `watchdogs`, each node also gets its host's watchdog, which adopts the running node as compose's
+    watchdog service adopts the trainer that `docker compose up` started."""
     settings = {"NNODES": "2", "RDZV_ENDPOINT": f"{ENDPOINT_HOST}:29400", "RDZV_ID": f"{run_name}-{uuid.uuid4().hex[:6]}",
                 "X1_DIST_TIMEOUT_SECONDS": str(DIST_TIMEOUT_S), "RDZV_JOIN_TIMEOUT": str(JOIN_TIMEOUT_S), **env}
     for host in sorted(HOSTS, key=lambda h: h != ENDPOINT_HOST):
-        c.node(host, train_args(run_name, host, *extra, total=total), **settings)
+        records = f"{SHARED}/{run_name}/{host}."
+        # The state file the launcher's gate reads, as compose's trainer and watchdog share it.
+        c.node(host, train_args(run_name, host, *extra, total=total), X1_WATCHDOG_STATE_FILE=f"{records}watchdog-state.json",
+               **settings)
+        if watchdogs:
+            c.watchdog(host, records, "--total-steps", str(total), "--check-seconds", "0.5",
+                       "--max-restarts", str(WATCHDOG_MAX_RESTARTS))
 
 
 def heartbeat(c: Cluster, run_name: str, host: str) -> dict | None:
@@ -155,18 +170,20 @@ def test_global_rank_0_alone_writes_and_each_host_heartbeat_names_its_node(unint
 
 
 @pytest.mark.timeout(1200)
-def test_a_budget_stop_on_rank_0_exits_76_on_every_node_after_one_checkpoint(cluster):
-    # Spend $10 of $35, and a projection the run's measured pace cannot meet: 2M steps at a CPU's
+def test_a_budget_stop_on_rank_0_exits_76_on_every_node_after_one_checkpoint(cluster, tmp_path):
+    # Spend $9.90 of $35, and a projection the run's measured pace cannot meet: 2M steps at a CPU's
     # pace. The plan's pace (--expected-tokens-per-sec) lets the launch through; the first steady
-    # interval makes rank 0's guard stop the run, and every node must stop with it.
-    now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-    cluster.write("budget/budget.json", json.dumps({
-        "spent_usd": 10.0, "rate_usd_per_hr": 1.10, "hours_elapsed": 9.1, "projected_total_usd": 20.0,
-        "last_update_utc": now, "cap_usd": 35.0, "provider": "static", "instance_id": "a+b",
-        "source": "provider-api", "stale": False}))
+    # interval makes rank 0's guard stop the run, and every node must stop with it. budget.json is
+    # the sidecar's own, for two nodes (4.5 h billed at $1.10/h each: the total and both parts).
+    doc = tmp_path / "budget.json"
+    Poller(SidecarSettings(provider="static", rate_usd_per_hr=1.10, nodes=2, initial_hours=4.5, output=doc, port=0),
+           None).poll_once()
+    assert json.loads(doc.read_text())["nodes"] == 2
+    cluster.write("budget/budget.json", doc.read_text())
     start_group(cluster, "budget", "--budget-cap-usd", "35", "--budget-curr-cost-uri", f"{SHARED}/budget/budget.json",
-                "--expected-tokens-per-sec", "1e9", "--ckpt-every", "100000", "--log-every", "2",
-                "--eval-every", "100000", total=2_000_000)
+                # The price ceiling is the run's, both hosts together, as DEPLOY section 10 says.
+                "--max-price-usd-per-hr", "2.40", "--expected-tokens-per-sec", "1e9", "--ckpt-every", "100000",
+                "--log-every", "2", "--eval-every", "100000", total=2_000_000)
     codes = {h: cluster.wait(h, timeout=600) for h in HOSTS}
     assert codes == {"a": 76, "b": 76}, cluster.all_logs()
     logs = {h: cluster.logs(h, tail=400) for h in HOSTS}
@@ -183,28 +200,16 @@ def test_a_budget_stop_on_rank_0_exits_76_on_every_node_after_one_checkpoint(clu
 # 3. A node lost
 
 
-def supervise(c: Cluster, victim: str, killed_at: float, timeout: float) -> dict[str, int]:
-    """Until both nodes have exited 0. A node that exits 1 (a crash: its peer vanished under it) is
-    started again, as its host's watchdog relaunches a crashed trainer; the killed node's host
-    comes back BACK_AFTER_S after the kill. Returns how often each node was relaunched here."""
-    relaunched = dict.fromkeys(HOSTS, 0)
-    back = False
+def watchdogs_finish(c: Cluster, timeout: float) -> dict[str, int]:
+    """Wait for both hosts' watchdogs to exit (they exit with the trainer's final code); the
+    harness itself starts nothing again. Returns each watchdog's exit code."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not back and time.time() >= killed_at + BACK_AFTER_S:
-            c.start(victim)
-            back = True
-        states = {h: c.state(h) for h in HOSTS}
-        if back and all(not s["Running"] and s["ExitCode"] == 0 for s in states.values()):
-            return relaunched
-        for host, s in states.items():
-            if s["Running"] or (host == victim and not back) or s["ExitCode"] == 0:
-                continue
-            assert s["ExitCode"] == 1, f"{host} exited {s['ExitCode']}\n{c.all_logs()}"
-            c.start(host)
-            relaunched[host] += 1
+        states = {h: c.state(f"{h}-watchdog") for h in HOSTS}
+        if not any(s["Running"] for s in states.values()):
+            return {h: s["ExitCode"] for h, s in states.items()}
         time.sleep(1)
-    raise AssertionError(f"the group did not finish within {timeout:g} s\n{c.all_logs()}")
+    raise AssertionError(f"the watchdogs did not finish within {timeout:g} s\n{c.all_logs()}")
 
 
 def node_info(c: Cluster, host: str) -> list[dict[str, str]]:
@@ -220,38 +225,48 @@ def node_info(c: Cluster, host: str) -> list[dict[str, str]]:
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("victim", ["b", "a"], ids=["the-endpoint-host-lost", "the-rank-0-host-lost"])
-def test_a_node_killed_mid_run_resumes_from_the_last_checkpoint_bit_identical(cluster, uninterrupted, tmp_path,
-                                                                               victim):
+def test_a_node_killed_mid_run_is_relaunched_by_its_watchdog_and_resumes_bit_identical(cluster, uninterrupted, tmp_path,
+                                                                                       victim):
+    """Each node beside its host's watchdog (x1_watchdog in docker mode, as compose.yaml's watchdog
+    service): the killed node's watchdog relaunches it, torchrun's rendezvous re-forms the group
+    (--max-restarts), and the run resumes from the last checkpoint. Nothing here starts a node."""
     run_name = f"lost-{victim}"
-    start_group(cluster, run_name, "--run-dir", f"{SHARED}/{run_name}/run")
+    start_group(cluster, run_name, "--run-dir", f"{SHARED}/{run_name}/run", watchdogs=True)
     wait_for(lambda: latest_step(cluster, run_name) >= 2 * CKPT_EVERY, 600, "a checkpoint at step 10")
     # /metrics (rank 0's) says which host it is.
     assert node_info(cluster, "a") == [{"node_rank": "0", "nnodes": "2", "hostname": "a"}]
     killed_at = cluster.kill(victim)
     resumed_at = latest_step(cluster, run_name)  # no rank is left to write one after the kill
-    relaunched = supervise(cluster, victim, killed_at, timeout=900)
+    codes = watchdogs_finish(cluster, timeout=900)
     lost = time.time() - killed_at
+    assert codes == {"a": 0, "b": 0}, cluster.all_logs()
+    assert {h: cluster.state(h)["ExitCode"] for h in HOSTS} == {"a": 0, "b": 0}
     final = cluster.fetch(f"{run_name}/ckpt/final.safetensors", tmp_path)
     diff = max_abs_difference(uninterrupted["one"], final)
     log = cluster.logs("a", tail=400)
-    print(f"{victim} killed after step {resumed_at}'s checkpoint: relaunched by the harness {relaunched}, "
+    relaunches = {h: [e for e in cluster.events(f"{SHARED}/{run_name}/{h}.") if e["event"] == "relaunch"] for h in HOSTS}
+    print(f"{victim} killed after step {resumed_at}'s checkpoint: relaunched by the watchdogs "
+          f"{ {h: [(e['reason'], e['exit_code']) for e in r] for h, r in relaunches.items()} }, "
           f"finished {lost:.0f} s after the kill; max |difference| to one process = {diff}")
     assert diff == 0.0
     assert f"resuming from {SHARED}/{run_name}/ckpt/step_{resumed_at:08d} at step {resumed_at}" in log, log[-3000:]
+    # The victim's own watchdog relaunched it after the kill (SIGKILL: 137).
+    assert relaunches[victim] and relaunches[victim][0]["exit_code"] == 137, relaunches
     if victim == "a":
         # b's torchrun kept the rendezvous (its agent hosts the store) and restarted its own
-        # worker when `a` rejoined: nobody relaunched b's container.
-        assert relaunched == {"a": 0, "b": 0}
+        # worker when `a` rejoined: b's container never stopped and its watchdog did nothing.
+        assert relaunches["b"] == []
     else:
         # The store went down with b: a's torchrun cannot rendezvous again and exits 1 at once;
-        # its host's watchdog relaunches it.
-        assert relaunched["a"] >= 1 and relaunched["b"] == 0
+        # a's watchdog relaunches it, as a crash.
+        assert relaunches["a"] and relaunches["a"][0]["exit_code"] == 1, relaunches
     # The restart, with its downtime, in the run folder's manifest (rank 0 wrote it at the finish).
     manifest = cluster.read_json(f"{run_name}/run/manifest.json")
     restarts = manifest["restart_cost"]["restarts"]
     assert manifest["restarts"] == 1 and len(restarts) == 1, manifest["restart_cost"]
     assert restarts[0]["resumed_first_step"] == resumed_at + 1
-    assert BACK_AFTER_S <= restarts[0]["downtime_seconds"] < lost, restarts[0]
+    print(f"manifest: downtime {restarts[0]['downtime_seconds']} s, resumed at step {restarts[0]['resumed_first_step']}")
+    assert 0 < restarts[0]["downtime_seconds"] < lost, restarts[0]
 
 
 @pytest.mark.timeout(900)
@@ -283,6 +298,25 @@ def test_a_node_that_never_returns_stops_the_survivor_cleanly_within_its_timeout
 # 4. How a user runs it
 
 
+def sidecar_settings(service: dict, tmp_path: Path) -> SidecarSettings:
+    """The settings the sidecar's command line gives it: its `sh -c` script run (compose's `$$`
+    unescaped) with a stand-in `python` that writes down its arguments, then parsed by the sidecar."""
+    from budget_sidecar.__main__ import build_parser, settings_from_args
+
+    stand_in = tmp_path / "bin" / "python"
+    stand_in.parent.mkdir(exist_ok=True)
+    stand_in.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\" > \"$ARGV_FILE\"\n")
+    stand_in.chmod(0o755)
+    argv_file = tmp_path / "sidecar-argv"
+    command = [part.replace("$$", "$") for part in service["command"]]
+    env = {k: "" if v is None else str(v) for k, v in service["environment"].items()}
+    subprocess.run(command, env={**env, "PATH": f"{stand_in.parent}:/usr/bin:/bin", "ARGV_FILE": str(argv_file)},
+                   check=True, timeout=30)
+    argv = argv_file.read_text().split("\0")[:-1]
+    assert argv[:2] == ["-m", "budget_sidecar"], argv
+    return settings_from_args(build_parser().parse_args(argv[2:]))
+
+
 def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rdzv_id(tmp_path):
     """compose.multinode.yaml over compose.yaml, as Compose renders it: the trainer on the host's
     network with the rendezvous settings of .env, and the trainer's effective flags (compose's
@@ -296,7 +330,8 @@ def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rd
         pytest.skip(docker_problem())
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"), "DOCKER_GID": "999",
            "X1_SHARED": "/lambda/nfs/x1-fs/shared", "NNODES": "2", "NPROC": "8",
-           "RDZV_ENDPOINT": "10.19.0.5:29400", "RDZV_ID": "x1-run-1"}
+           "RDZV_ENDPOINT": "10.19.0.5:29400", "RDZV_ID": "x1-run-1",
+           "INSTANCE_ID": "i-first", "INSTANCE_IDS": "i-first,i-second"}
     proc = run(["docker", "compose", "-p", "x1i44config", "-f", "compose.yaml", "-f", "compose.multinode.yaml",
                 "config", "--format", "json"], env=env, cwd=REPO)
     services = json.loads(proc.stdout)["services"]
@@ -308,6 +343,11 @@ def test_the_multinode_override_starts_one_node_from_nnodes_rdzv_endpoint_and_rd
               for v in services[s]["volumes"] if s == "trainer" or v["target"] in ("/workspace", "/shared")}
     assert mounts["/shared"] == "/lambda/nfs/x1-fs/shared"
     assert services["budget-sidecar"]["volumes"][0]["source"] == "/lambda/nfs/x1-fs/shared"  # budget.json there
+    # One sidecar counts both instances: every host's id and the node count reach it.
+    assert {k: services["budget-sidecar"]["environment"][k] for k in ("INSTANCE_IDS", "NNODES")} == {
+        "INSTANCE_IDS": "i-first,i-second", "NNODES": "2"}
+    assert sidecar_settings(services["budget-sidecar"], tmp_path).instance_ids == ["i-first", "i-second"]
+    assert sidecar_settings(services["budget-sidecar"], tmp_path).nodes == 2
     args = build_parser().parse_args([*trainer["command"][1:], *shlex.split(trainer["environment"]["X1_TRAIN_EXTRA_ARGS"])])
     assert (args.ckpt_dir, args.budget_curr_cost_uri, args.mlflow_uri, args.run_dir) == (
         "/shared/checkpoints", "/shared/budget.json", "file:///shared/mlflow", "/shared/run")

@@ -316,6 +316,131 @@ def test_the_api_key_never_appears_in_logs_files_or_errors(stack, tmp_path: Path
         assert wrong not in text, f"API key found in {name}"
 
 
+# ---------------------------------------------------------------------------------------------
+# A run on several hosts: one budget, every instance counted
+
+PAIR = ("inst-a", "inst-b")
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    """The fake API with two instances (two hosts of one run) and a sidecar counting both."""
+    started: list = []
+
+    def start(provider: str = "lambda", extra: list[str] | None = None) -> tuple[FakeBilling, Sidecar]:
+        f = FakeBilling.start(tmp_path / "logs", provider=provider, instance_id=",".join(PAIR), api_key=KEY,
+                              time_scale=SCALE)
+        started.append(f)
+        s = Sidecar.start(tmp_path / "logs", tmp_path / "ws" / "budget.json", provider=provider,
+                          instance_id=",".join(PAIR), api_url=f.url, poll_seconds=POLL,
+                          extra_args=["--time-scale", str(SCALE), "--http-timeout", "0.5", "--nodes", "2", *(extra or [])],
+                          env={"LAMBDA_API_KEY": KEY, "RUNPOD_API_KEY": KEY})
+        started.append(s)
+        return f, s
+
+    yield start
+    for proc in reversed(started):
+        proc.stop()
+
+
+def parts(b: dict) -> dict[str, dict]:
+    return {p["instance_id"]: p for p in b["instances"]}
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_two_instances_are_priced_each_and_the_spend_is_their_sum(pair, provider: str) -> None:
+    f, s = pair(provider)
+    b = budget_when(s, lambda b: b["hours_elapsed"] >= 0.3 and b["source"] == "provider-api")
+    assert b["nodes"] == 2 and set(parts(b)) == set(PAIR)
+    assert b["rate_usd_per_hr"] == pytest.approx(2 * 1.10)
+    assert all(p["rate_usd_per_hr"] == pytest.approx(1.10) and p["answered"] for p in b["instances"])
+    # The total is the sum of the parts, and twice one host's bill over the same hours.
+    assert b["spent_usd"] == pytest.approx(sum(p["spent_usd"] for p in b["instances"]), abs=1e-5)  # each rounded
+    assert b["spent_usd"] == pytest.approx(2 * 1.10 * b["hours_elapsed"], rel=1e-3)
+    billed = f.state()["billed_usd"]  # the fake's own bill for both, a moment later
+    assert b["spent_usd"] <= billed * 1.05
+    assert read_budget_file(s.output).spent_usd == pytest.approx(b["spent_usd"], rel=0.05)
+
+
+def test_one_instance_s_price_change_moves_the_total_by_its_part(pair) -> None:
+    f, s = pair()
+    before = budget_when(s, lambda b: b["hours_elapsed"] > 0)
+    f.control(price_usd_per_hr=3.3, instance_id="inst-b")
+    after = budget_when(s, lambda b: b["rate_usd_per_hr"] == pytest.approx(1.10 + 3.3), what="the new price")
+    assert {i: p["rate_usd_per_hr"] for i, p in parts(after).items()} == {"inst-a": 1.10, "inst-b": 3.3}
+    later = budget_when(s, lambda b: b["hours_elapsed"] >= after["hours_elapsed"] + 0.2)
+    slope = (later["spent_usd"] - after["spent_usd"]) / (later["hours_elapsed"] - after["hours_elapsed"])
+    assert slope == pytest.approx(1.10 + 3.3, rel=1e-3)
+    a_slope = (parts(later)["inst-a"]["spent_usd"] - parts(after)["inst-a"]["spent_usd"]) / (
+        later["hours_elapsed"] - after["hours_elapsed"])
+    assert a_slope == pytest.approx(1.10, rel=1e-3)
+    assert after["spent_usd"] >= before["spent_usd"] and later["stale"] is False
+    # A lower price for one instance, same type: suspect, as for one host; the total keeps the
+    # trusted sum and says stale.
+    f.control(price_usd_per_hr=0.2, instance_id="inst-a")
+    low = budget_when(s, lambda b: b.get("rate_note") is not None, what="the suspect sum")
+    assert low["rate_usd_per_hr"] == pytest.approx(1.10 + 3.3) and low["stale"] is True
+
+
+def test_an_instance_missing_from_the_api_is_counted_at_its_last_price_and_goes_stale(pair) -> None:
+    f, s = pair()
+    healthy = budget_when(s, lambda b: b["hours_elapsed"] >= 0.1 and b["source"] == "provider-api")
+    f.control(vanish=True, instance_id="inst-b")
+    down = budget_when(s, lambda b: b["consecutive_failures"] >= 2, timeout=30, what="2 polls without inst-b")
+    assert down["stale"] is True and down["source"] == "estimate"
+    assert down["rate_usd_per_hr"] == pytest.approx(2 * 1.10)  # inst-b still counted, at its last price
+    assert parts(down)["inst-b"]["answered"] is False and "not exist" in parts(down)["inst-b"]["error"]
+    assert parts(down)["inst-a"]["answered"] is True
+    later = budget_when(s, lambda b: b["hours_elapsed"] >= down["hours_elapsed"] + 0.2)
+    assert later["spent_usd"] - down["spent_usd"] == pytest.approx(
+        2 * 1.10 * (later["hours_elapsed"] - down["hours_elapsed"]), rel=1e-3)
+    assert later["spent_usd"] > healthy["spent_usd"]
+    assert healthz_status(s) == 503
+
+
+def test_a_restarted_sidecar_of_two_instances_never_reports_less(pair, tmp_path: Path) -> None:
+    f, s = pair()
+    first = budget_when(s, lambda b: b["hours_elapsed"] >= 0.2)
+    s.stop()
+    s2 = Sidecar.start(tmp_path / "logs", tmp_path / "ws" / "budget.json", provider="lambda",
+                       instance_id=",".join(PAIR), api_url=f.url, poll_seconds=POLL,
+                       extra_args=["--time-scale", str(SCALE), "--nodes", "2"], env={"LAMBDA_API_KEY": KEY})
+    try:
+        again = budget_when(s2, lambda b: b["last_update_utc"] > first["last_update_utc"])
+        assert again["spent_usd"] >= first["spent_usd"]
+        assert all(parts(again)[i]["spent_usd"] >= parts(first)[i]["spent_usd"] for i in PAIR)
+    finally:
+        s2.stop()
+
+
+def test_static_rate_is_counted_once_per_node(stack) -> None:
+    _, sidecar = stack
+    s = sidecar("static", extra=["--rate-usd-per-hr", "0.5", "--nodes", "2"], key="")
+    b = budget_when(s, lambda b: b["hours_elapsed"] >= 0.2)
+    assert b["rate_usd_per_hr"] == 1.0 and b["spent_usd"] == pytest.approx(1.0 * b["hours_elapsed"], rel=1e-3)
+    assert b["nodes"] == 2 and [p["instance_id"] for p in b["instances"]] == ["node-1", "node-2"]
+    assert all(p["rate_usd_per_hr"] == 0.5 for p in b["instances"])
+
+
+def test_hours_billed_before_the_first_poll_are_charged_to_every_node(tmp_path: Path) -> None:
+    settings = SidecarSettings(provider="static", rate_usd_per_hr=1.10, nodes=2, initial_hours=4.5,
+                               output=tmp_path / "budget.json", port=0)
+    Poller(settings, None, clock=lambda: 1_000_000.0).poll_once()
+    b = json.loads((tmp_path / "budget.json").read_text())
+    assert b["spent_usd"] == pytest.approx(2 * 1.10 * 4.5) and b["rate_usd_per_hr"] == pytest.approx(2.2)
+    assert [(p["spent_usd"], p["hours_elapsed"]) for p in b["instances"]] == [(pytest.approx(4.95), 4.5)] * 2
+
+
+@pytest.mark.parametrize("args, env, named", [
+    (["--provider", "lambda", "--instance-id", "i-1", "--nodes", "2"], {"LAMBDA_API_KEY": KEY}, "--instance-id"),
+    (["--provider", "lambda", "--instance-id", "i-1,,i-2"], {"LAMBDA_API_KEY": KEY}, "--instance-id"),
+    (["--provider", "lambda", "--instance-id", "i-1,i-1"], {"LAMBDA_API_KEY": KEY}, "--instance-id"),
+    (["--provider", "static", "--rate-usd-per-hr", "1", "--nodes", "0"], {}, "--nodes"),
+])
+def test_bad_node_settings_exit_2_naming_what_is_wrong(args, env, named, tmp_path: Path, monkeypatch) -> None:
+    test_bad_settings_exit_2_naming_what_is_wrong(args, env, named, tmp_path, monkeypatch)
+
+
 @pytest.mark.parametrize("args, env, named", [
     (["--provider", "lambda", "--instance-id", "i"], {}, "LAMBDA_API_KEY"),
     (["--provider", "runpod"], {"RUNPOD_API_KEY": KEY}, "--instance-id"),

@@ -368,6 +368,14 @@ def test_sigterm_to_the_trainer_is_a_preemption_the_watchdog_relaunches(live):
     step = int(re.findall(r"preempted at step (\d+): checkpoint", live.trainer_log())[-1])
     wait_for(lambda: f"resuming from {live.ws.checkpoints / f'step_{step:08d}'} at step {step}" in live.trainer_log(),
              120, "the relaunched trainer's resume")
+    # Its downtime: the SIGTERM -> the relaunched process's first step, as the trainer logged it.
+    (restart,) = wait_for(lambda: live.status()["restarts"] if "start record" in live.trainer_log().split(
+        "resuming from")[-1] else None, 120, "the relaunched trainer's first step")
+    assert (restart["cause"], restart["stopped_by"], restart["stopped_at_step"]) == ("preempted", "SIGTERM", step)
+    assert restart["resumed_first_step"] == step + 1 and restart["downtime_seconds"] > 0
+    status = stack("status", "--workspace", str(live.ws.root), timeout=60).stdout
+    assert f"restart 1: {restart['downtime_seconds']:.1f} s down (preempted, exit 75): SIGTERM at step {step}" in status
+    assert f"{restart['downtime_seconds']:.1f} s since the previous process's SIGTERM at step {step}" in live.trainer_log()
 
 
 @pytest.mark.slow

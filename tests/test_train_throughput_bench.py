@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from conftest import REPO, TINY_CONFIG, cli_env
 
 BENCH = REPO / "bench" / "train_throughput.py"
@@ -62,33 +60,37 @@ def bench_module():
     return module
 
 
-def test_every_named_lever_is_a_valid_config_on_top_of_the_benchs_default():
-    # A lever whose overrides the config refuses would fail only on the GPU, minutes into a call.
+def test_every_named_variant_is_a_valid_config_on_top_of_the_benchs_default():
+    # A variant whose overrides the config refuses would fail only on the GPU, minutes into a call.
     from x1_pretrain.config import load_config
 
     module = bench_module()
     default = REPO / "configs" / "x1-50m-a100.yaml"  # the bench's --config default
+    assert "shipped" in module.VARIANTS and module.VARIANTS["shipped"] == []
     for name in module.VARIANTS:
-        load_config(default, module.resolve_variant(name)["sets"])  # raises ConfigError if refused
+        load_config(default, module.resolve_variant(name))  # raises ConfigError if refused
 
 
-def test_every_named_levers_module_switches_name_attributes_that_exist():
-    # A misspelt switch would be set on nothing (a new attribute) and the lever measured as the step.
+def test_combined_variants_add_their_overrides_in_order():
     module = bench_module()
-    for name in module.VARIANTS:
-        for dotted in module.resolve_variant(name)["patch"]:
-            obj, attr = module.patch_target(dotted)  # raises AttributeError if it is not there
-            assert hasattr(obj, attr), f"{name}: {dotted}"
+    assert module.resolve_variant("untuned-matmuls+float8") == ["train.cublaslt=off", "train.float8=tensorwise"]
 
 
-def test_a_module_switch_reaches_attributes_below_a_module_and_refuses_a_misspelt_one():
-    import torch._inductor.config as inductor_config
+def test_a_variant_not_in_the_table_is_refused_with_exit_2_naming_it_before_any_work(tmp_path: Path):
+    out = tmp_path / "out.jsonl"
+    proc = bench("--data-dir", str(tmp_path / "nowhere"), "--variant", "shipped+no-norm-fold", "--json", str(out))
+    assert proc.returncode == 2
+    assert "no variant 'no-norm-fold' in plans.toml [variants]" in proc.stderr
+    assert not out.exists()
 
-    module = bench_module()
-    assert module.patch_target("torch._inductor.config.triton.cudagraphs") == (inductor_config.triton, "cudagraphs")
-    with pytest.raises(AttributeError, match="max_autotune_gemm_typo"):
-        module.apply_patches({"torch._inductor.config.max_autotune_gemm_typo": True})
-    assert not hasattr(inductor_config, "max_autotune_gemm_typo")
+
+def test_an_override_naming_a_field_that_is_not_there_is_refused_with_exit_2_before_any_work(tmp_path: Path):
+    # The old module switches are gone: a variant is config, and config that names nothing fails.
+    out = tmp_path / "out.jsonl"
+    proc = bench("--data-dir", str(tmp_path / "nowhere"), "--set", "model.fold_norms=false", "--json", str(out))
+    assert proc.returncode == 2
+    assert "fold_norms" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
 
 
 def test_the_kernel_table_counts_every_kernel_copy_and_memset_of_the_trace_and_no_operator(tmp_path: Path):

@@ -67,16 +67,12 @@ LAUNCHES = [
     (losses._ce_bwd_kernel, _sig("logits_ptr stride grad_ptr targets_ptr lse_ptr dloss_ptr V Vp",
                                  {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "lse_ptr": "*fp32", "dloss_ptr": "*fp32"}),
      _launch(losses.BWD_LAUNCH)),
-    (losses._ce_fwd_grad_kernel, _sig("logits_ptr stride grad_ptr targets_ptr loss_ptr lse_ptr n_rows V Vp",
+    (losses._ce_fwd_grad_kernel, _sig("logits_ptr stride grad_ptr targets_ptr loss_ptr scale_ptr n_rows V Vp",
                                       {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64", "loss_ptr": "*fp32",
-                                       "lse_ptr": "*fp32"}),
-     _launch({k: v for k, v in losses.GRAD_LAUNCH.items() if k != "PER_SM"})),
-    (losses._ce_fwd_grad_max_first_kernel, _sig("logits_ptr stride grad_ptr targets_ptr loss_ptr scale_ptr n_rows V Vp",
-                                                {"logits_ptr": P, "grad_ptr": P, "targets_ptr": "*i64",
-                                                 "loss_ptr": "*fp32", "scale_ptr": "*fp32"}),
+                                       "scale_ptr": "*fp32"}),
      _launch({k: v for k, v in losses.GRAD_LAUNCH.items() if k != "PER_SM"})),
 ]
-# ...and RoPE and SwiGLU without the scale, as the step runs them with model.FOLD_NORMS off.
+# ...and RoPE and SwiGLU without the scale, as the ops run them when given none (SwiGLU's in generation).
 LAUNCHES += [(kernel, signature, ({**constants, "HAS_SCALE": False}, warps))
              for kernel, signature, (constants, warps) in LAUNCHES if constants.get("HAS_SCALE")]
 
@@ -98,9 +94,8 @@ def test_every_kernel_compiles_for_ampere_and_hopper_within_its_shared_memory(ar
 
 @pytest.mark.skipif(kernels.INTERPRET, reason="under TRITON_INTERPRET the kernels are interpreted functions")
 @pytest.mark.parametrize(("kernel", "narrow_loads"),
-                         [(losses._ce_fwd_kernel, 1), (losses._ce_bwd_kernel, 0), (losses._ce_fwd_grad_kernel, 1),
-                          (losses._ce_fwd_grad_max_first_kernel, 1)],
-                         ids=["forward", "backward", "forward-and-gradient", "forward-and-gradient-max-first"])
+                         [(losses._ce_fwd_kernel, 1), (losses._ce_bwd_kernel, 0), (losses._ce_fwd_grad_kernel, 1)],
+                         ids=["forward", "backward", "forward-and-gradient"])
 def test_the_cross_entropy_kernels_read_the_logits_16_bytes_at_a_time(kernel, narrow_loads):
     # As the JIT sees the 50M run: pointers 16-byte aligned, the row stride and the padded width
     # 50304 multiples of 16, the vocabulary 50257 not. A load masked at 50257 compiles to 2-byte

@@ -331,7 +331,8 @@ def read_budget_file(path: str | os.PathLike[str]) -> BudgetReading:
 
 
 # --------------------------------------------------------------------------------------------
-# Heartbeat (trainer → watchdog): {"step", "time", "pid", "phase"}, rewritten atomically.
+# Heartbeat (trainer → watchdog): {"step", "time", "pid", "phase"} (+ "signal_time" once stopped by
+# SIGTERM), rewritten atomically.
 
 # The phases the trainer writes (train/), which the watchdog's policy and compose's healthcheck read.
 PHASE_STARTUP = "startup"  # imports, data checks, the model built: before the first step
@@ -351,6 +352,7 @@ class Heartbeat:
     time: float  # unix seconds
     pid: int
     phase: str
+    signal_time: float | None = None  # phase "stopped" after a SIGTERM: when it came (a restart's downtime)
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Heartbeat | None:
@@ -366,7 +368,7 @@ class Heartbeat:
         step, pid, when, phase = d.get("step"), d.get("pid"), finite_number(d.get("time")), d.get("phase")
         if not (_plain_int(step) and _plain_int(pid) and when is not None and isinstance(phase, str)):
             return None
-        return cls(step=step, time=when, pid=pid, phase=phase)
+        return cls(step=step, time=when, pid=pid, phase=phase, signal_time=finite_number(d.get("signal_time")))
 
 
 def _plain_int(v: Any) -> bool:

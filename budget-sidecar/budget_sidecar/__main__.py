@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
             "GET /healthz (503 when stale) and GET /metrics. Spend never goes down: failed polls keep it "
             "rising at the last known rate (after 2 in a row the reading is marked stale), and a ledger "
             "next to budget.json (budget-state.json) carries it across restarts, instance relaunches and a change "
-            "of provider. One budget.json has one sidecar: a second one on the same file is refused (exit 2). "
+            "of provider. A run on several hosts is one budget: budget.json shows the total and each instance's "
+            "part. One budget.json has one sidecar: a second one on the same file is refused (exit 2). "
             "The API key is read from LAMBDA_API_KEY or RUNPOD_API_KEY, never from the command line."
         ),
         epilog="Every flag can also come from the environment as X1_BUDGET_<FLAG> (e.g. X1_BUDGET_CAP_USD=35).",
@@ -42,13 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", choices=["lambda", "runpod", "static"], help="where spend comes from")
     p.add_argument("--api-url", help="provider base URL without the API path "
                    "(default https://cloud.lambda.ai or https://api.runpod.io; the fake billing API in tests)")
-    p.add_argument("--instance-id", help="Lambda instance id / RunPod pod id")
+    p.add_argument("--instance-id", help="Lambda instance id / RunPod pod id; a run on several hosts: every host's, "
+                   "comma-separated (id1,id2), each priced every poll and the spend their sum")
+    p.add_argument("--nodes", type=int, help="hosts the run bills (NNODES, 1). static: --rate-usd-per-hr is one host's, "
+                   "counted this many times; lambda/runpod: must match the number of instance ids")
     p.add_argument("--poll-seconds", type=float, help="seconds between polls (300)")
     p.add_argument("--output", help="budget.json path (/workspace/budget.json)")
     p.add_argument("--cap-usd", type=float, help="the hard cap (35)")
     p.add_argument("--alert-usd", type=float, help="the alert line (30)")
     p.add_argument("--planned-hours", type=float, help="billed hours planned; projected = spent + rate x hours left")
-    p.add_argument("--rate-usd-per-hr", type=float, help="static provider: the hourly rate")
+    p.add_argument("--rate-usd-per-hr", type=float, help="static provider: the hourly rate of one host")
     p.add_argument("--initial-hours", type=float,
                    help="hours already billed before the first poll (Lambda reports no launch time), default 0")
     p.add_argument("--time-scale", type=float,

@@ -7,12 +7,15 @@ It serves the request and response shapes the real APIs document (Lambda Cloud v
 GraphQL) behind bearer auth, so `x1_common.providers` talks to it exactly as it talks to the real
 thing, plus an unauthenticated test control plane meant for 127.0.0.1 only:
 
-    POST /_control {"price_usd_per_hr": 3.3}        the price from now on
+    POST /_control {"price_usd_per_hr": 3.3}        the price from now on (with "instance_id": that
+                                                    instance's own price; the others keep theirs)
+                   {"vanish": true, "instance_id": "i-2"}  the API forgets the instance (404, no pod)
                    {"fail_mode": "none"|"500"|"timeout"|"garbage"}
                    {"preempt": true}  {"terminate": true}   (optionally with "instance_id")
     GET  /_state   billed hours and dollars, statuses, the terminate / launch / resume calls received
 
-Lambda's launch and RunPod's podFindAndDeployOnDemand create instances (booting, then running).
+`--instance-id i-1,i-2` starts several instances (the nodes of a multi-node run), all at the
+starting price. Lambda's launch and RunPod's podFindAndDeployOnDemand create instances (booting, then running).
 A test may hand `FakeCloud` a `Machines` backend (tests/launch_instance.py runs one container per
 instance): the instance's machine is then created, stopped, started and removed with it, a
 record shows the machine's address (Lambda `ip`, RunPod `runtime.ports`), and a RunPod pod has a
@@ -123,6 +126,7 @@ class FakeInstance:
     ssh_key_names: list[str] = field(default_factory=list)
     file_system_names: list[str] = field(default_factory=list)
     price_factor: float = 1.0  # a RunPod pod created on demand bills its market's price (RUNPOD_MARKET_FACTOR)
+    own_price: float | None = None  # set by /_control for this instance alone; None: the cloud's price
 
 
 class FakeCloud:
@@ -163,10 +167,11 @@ class FakeCloud:
         self.machines = MachineWorker(machines) if machines is not None else None
         now = clock()
         if start_with_instance:
-            self.instances[instance_id] = FakeInstance(
-                id=instance_id, name="x1", instance_type=self.instance_type, region=region,
-                status=self._running, last_wall=now, last_status_change=f"Rented by User: {time.ctime(now)}",
-            )
+            for one in instance_id.split(","):
+                self.instances[one] = FakeInstance(
+                    id=one, name="x1", instance_type=self.instance_type, region=region,
+                    status=self._running, last_wall=now, last_status_change=f"Rented by User: {time.ctime(now)}",
+                )
 
     # --- words of each provider -------------------------------------------------------------
     @property
@@ -177,6 +182,10 @@ class FakeCloud:
     def _booting(self) -> str:
         # RunPod has no booting state: the pod is RUNNING with no runtime until the container is up.
         return "booting" if self.provider == "lambda" else "RUNNING"
+
+    def price_of(self, inst: FakeInstance) -> float:
+        """$/h the instance bills: its own price if one was set, else the cloud's, times its market's factor."""
+        return (self.price if inst.own_price is None else inst.own_price) * inst.price_factor
 
     def _billing(self, inst: FakeInstance) -> bool:
         return inst.status in ("active", "booting", "unhealthy", "RUNNING")
@@ -190,7 +199,7 @@ class FakeCloud:
             if self._billing(inst):
                 inst.uptime_s += dt
                 inst.billed_s += dt
-                inst.billed_usd += self.price * inst.price_factor * dt / 3600.0
+                inst.billed_usd += self.price_of(inst) * dt / 3600.0
             inst.last_wall = now
             if inst.status == "booting" and now >= inst.boot_until:
                 inst.status = "active"
@@ -215,7 +224,7 @@ class FakeCloud:
     # --- control plane ----------------------------------------------------------------------
     def control(self, body: dict[str, Any]) -> None:
         """Apply one /_control request; ValueError names a bad field."""
-        known = {"price_usd_per_hr", "fail_mode", "preempt", "terminate", "instance_id", "time_scale"}
+        known = {"price_usd_per_hr", "fail_mode", "preempt", "terminate", "vanish", "instance_id", "time_scale"}
         unknown = set(body) - known
         if unknown:
             raise ValueError(f"unknown control field(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
@@ -226,7 +235,11 @@ class FakeCloud:
                 price = body["price_usd_per_hr"]
                 if isinstance(price, bool) or not isinstance(price, (int, float)) or price <= 0:
                     raise ValueError(f"price_usd_per_hr must be a positive number, got {price!r}")
-                self.price = float(price)
+                if body.get("instance_id") is None:
+                    self.price = float(price)
+                else:
+                    for inst in targets:
+                        inst.own_price = float(price)
             if "time_scale" in body:
                 scale = body["time_scale"]
                 if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
@@ -246,6 +259,11 @@ class FakeCloud:
             if body.get("terminate"):
                 for inst in targets:
                     self._terminate(inst)
+            if body.get("vanish"):
+                if body.get("instance_id") is None:
+                    raise ValueError("vanish needs an instance_id")
+                for inst in targets:
+                    del self.instances[inst.id]
 
     def _targets(self, instance_id: str | None) -> list[FakeInstance]:
         if instance_id is None:
@@ -272,6 +290,7 @@ class FakeCloud:
                     i.id: {
                         "status": i.status,
                         "instance_type": i.instance_type,
+                        "price_usd_per_hr": self.price_of(i),
                         "billed_hours": i.billed_s / 3600.0,
                         "billed_usd": i.billed_usd,
                         "uptime_seconds": i.uptime_s,
@@ -291,9 +310,10 @@ class FakeCloud:
             }
 
     # --- Lambda -----------------------------------------------------------------------------
-    def lambda_type(self, name: str) -> dict[str, Any]:
+    def lambda_type(self, name: str, price: float | None = None) -> dict[str, Any]:
+        """The type's record; `price`: an instance's own price for its type (default the cloud's)."""
         if name == self.instance_type:
-            cents, desc, vcpus, mem = round(self.price * 100), "1x A100 (80 GB SXM4)", 30, 200
+            cents, desc, vcpus, mem = round((self.price if price is None else price) * 100), "1x A100 (80 GB SXM4)", 30, 200
         else:
             desc, cents, vcpus, mem = LAMBDA_OTHER_TYPES[name]
         gpus = int(desc.split("x", 1)[0])
@@ -316,7 +336,7 @@ class FakeCloud:
             "ssh_key_names": inst.ssh_key_names,
             "file_system_names": inst.file_system_names,
             "region": {"name": inst.region, "description": "Virginia, USA"},
-            "instance_type": self.lambda_type(inst.instance_type),
+            "instance_type": self.lambda_type(inst.instance_type, self.price_of(inst)),
             "is_reserved": False,
         }
         if address is not None:
@@ -357,7 +377,7 @@ class FakeCloud:
         return {
             "id": inst.id,
             "name": inst.name,
-            "costPerHr": round(self.price * inst.price_factor, 4),
+            "costPerHr": round(self.price_of(inst), 4),
             "desiredStatus": inst.status,
             "lastStatusChange": inst.last_status_change,
             "gpuCount": 1,
@@ -644,7 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: the control plane has no auth)")
     p.add_argument("--port", type=int, required=True, help="TCP port")
     p.add_argument("--provider", choices=sorted(DEFAULT_TYPES), required=True, help="which API to imitate")
-    p.add_argument("--instance-id", required=True, help="id of the instance (pod) the fake starts with, running")
+    p.add_argument("--instance-id", required=True,
+                   help="id of the instance (pod) the fake starts with, running; several comma-separated: i-1,i-2")
     p.add_argument("--instance-type", help="its type (default: gpu_1x_a100_sxm4 / NVIDIA A100 80GB PCIe)")
     p.add_argument("--price-usd-per-hr", type=float, default=1.10, help="starting price, $/h (1.10)")
     p.add_argument("--time-scale", type=float, default=1.0, help="billed hours pass this many times faster than wall time")

@@ -24,13 +24,19 @@ alerts when it is over 1.2x the plan. The static provider's rate is the operator
 is taken as it is. The ledger is persisted next
 to budget.json after every poll, so a restarted sidecar carries on from where it was, and charges
 the time it was down at the last known rate.
+
+A run on several hosts is billed as one: every instance is asked each poll, and the ledger counts
+the sum of the prices of those billing (a host left out of the poll would be money not counted).
+An instance the provider does not answer for is counted at its last price, as a failed poll of its
+own: after `stale_after_failures` misses in a row the reading is stale. Each instance's own figures
+are kept in `parts` for budget.json; the total is what the trainer's guard reads.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -68,6 +74,11 @@ class Ledger:
     last_uptime_s: float = 0.0
     trusted_rate_usd_per_hr: float | None = None  # the last price not found suspect
     rate_note: str | None = None  # why the price counted now is not the provider's (None: it is)
+    # Several hosts: each instance's figures by id (node-N for static). Keys: rate_usd_per_hr,
+    # interval_rate (the higher of the last two prices: what the time since the last poll costs),
+    # billing, billed_interval, status, instance_type, spent_usd, hours_elapsed, consecutive_failures,
+    # last_error. Informative: the totals above are the ones counted.
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # --- persistence ------------------------------------------------------------------------
     @classmethod
@@ -134,7 +145,58 @@ class Ledger:
             hours = max(0.0, now - self.accrued_until) * time_scale / 3600.0
             self.spent_usd += rate * hours
             self.hours_elapsed += hours
+            for part in self.parts.values():
+                if part.get("billed_interval") and part.get("interval_rate") is not None:
+                    part["spent_usd"] += part["interval_rate"] * hours
+                    part["hours_elapsed"] += hours
+        for part in self.parts.values():
+            part["interval_rate"], part["billed_interval"] = part.get("rate_usd_per_hr"), part.get("billing", True)
         self.accrued_until = now
+
+    # --- several hosts ----------------------------------------------------------------------
+    def update_parts(self, answers: dict[str, Instance], missing: dict[str, str]) -> Instance:
+        """Record one poll of every instance of a run on several hosts (before record_success) and
+        return the group as one instance: the sum of the billing instances' prices, a missing one
+        at its last price. ValueError when a missing instance has never been priced."""
+        unknown = [f"{iid}: {why}" for iid, why in missing.items() if iid not in self.parts]
+        if unknown:
+            raise ValueError(f"no price known yet for instance {'; '.join(unknown)}")
+        for iid, inst in answers.items():
+            part = self.parts.setdefault(iid, {"spent_usd": 0.0, "hours_elapsed": 0.0, "rate_usd_per_hr": None,
+                                                "billing": False})
+            price = inst.price_usd_per_hr
+            previous = part["rate_usd_per_hr"]
+            part.update(
+                rate_usd_per_hr=price, status=inst.status, instance_type=inst.instance_type,
+                interval_rate=price if previous is None or price is None else max(previous, price),
+                billed_interval=part["billing"] or inst.billing, billing=inst.billing, consecutive_failures=0,
+                last_error=None,
+            )
+        for iid, why in missing.items():
+            part = self.parts[iid]
+            part["consecutive_failures"] = part.get("consecutive_failures", 0) + 1
+            part["last_error"] = why
+        parts = [self.parts[iid] for iid in (*answers, *missing)]
+        billing = [p for p in parts if p["billing"]]
+        prices = [p["rate_usd_per_hr"] for p in (billing or parts)]
+        # One unusable price makes the sum unusable: the ledger's price checks then name it.
+        bad = next((x for x in prices if x is None or not math.isfinite(x) or x <= 0), False)
+        first = billing[0] if billing else parts[0]
+        return Instance(
+            id=",".join(self.parts), status=first["status"], raw_status=first["status"],
+            price_usd_per_hr=sum(prices) if bad is False else bad, uptime_seconds=None,
+            # The types of the billing instances: one stopping is a change of type, so the lower sum
+            # it brings is taken, not suspected.
+            instance_type="+".join(str(p["instance_type"]) for p in (billing or parts)), region=None,
+        )
+
+    def note_missing_parts(self, missing: dict[str, str]) -> None:
+        """After record_success: instances the provider did not answer for count as failed polls."""
+        if not missing:
+            return
+        self.consecutive_failures = max(self.parts[iid]["consecutive_failures"] for iid in missing)
+        self.poll_failures_total += 1
+        self.last_error = "; ".join(f"instance {iid}: {why}" for iid, why in missing.items())
 
     def _price(self, inst: Instance | None, static_rate: float | None) -> float:
         """The rate to count at for this poll, and the bookkeeping of the trusted price (see the
@@ -181,6 +243,10 @@ class Ledger:
             if initial_hours:
                 self.spent_usd += rate * initial_hours
                 self.hours_elapsed += initial_hours
+                for part in self.parts.values():
+                    if part.get("billing") and part.get("rate_usd_per_hr") is not None:
+                        part["spent_usd"] += part["rate_usd_per_hr"] * initial_hours
+                        part["hours_elapsed"] += initial_hours
         # For the time since the last poll we know neither when the price changed nor when the
         # instance stopped: charge the higher of the two rates, and bill if it billed at either end.
         interval_rate = rate if self.rate_usd_per_hr is None else max(rate, self.rate_usd_per_hr)
@@ -267,6 +333,16 @@ def reading_document(reading: BudgetReading, ledger: Ledger, time_scale: float) 
     doc["instance_status"] = ledger.instance_status
     doc["instance_type"] = ledger.instance_type
     doc["consecutive_failures"] = ledger.consecutive_failures
+    if ledger.parts:
+        # A run on several hosts: the total above, and what each instance adds to it.
+        doc["nodes"] = len(ledger.parts)
+        doc["instances"] = [
+            {"instance_id": iid, "status": p.get("status"), "instance_type": p.get("instance_type"),
+             "rate_usd_per_hr": p["rate_usd_per_hr"], "spent_usd": round(p["spent_usd"], 6),
+             "hours_elapsed": round(p["hours_elapsed"], 6), "answered": not p.get("consecutive_failures"),
+             **({"error": p["last_error"]} if p.get("last_error") else {})}
+            for iid, p in ledger.parts.items()
+        ]
     if ledger.rate_note:
         doc["rate_note"] = ledger.rate_note  # why the rate counted is not the provider's last price
     if time_scale != 1.0:
@@ -311,6 +387,13 @@ def _ledger_problems(data: Any, now: float | None) -> list[str]:
             problems.append(f"{key} is not a string")
     if not isinstance(data.get("billing", True), bool):
         problems.append("billing is not true or false")
+    parts = data.get("parts", {})
+    part_keys = ("rate_usd_per_hr", "interval_rate", "spent_usd", "hours_elapsed")
+    if not isinstance(parts, dict) or not all(
+            isinstance(p, dict) and all(p.get(k) is None or finite_number(p[k]) is not None for k in part_keys)
+            and finite_number(p.get("spent_usd")) is not None and finite_number(p.get("hours_elapsed")) is not None
+            for p in parts.values()):
+        problems.append("parts is not an object of instances with finite figures")
     return problems
 
 

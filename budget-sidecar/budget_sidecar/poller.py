@@ -1,5 +1,8 @@
 """One poll: ask the provider, update the ledger, persist it, rewrite budget.json.
 
+A run on several hosts (--instance-id id1,id2, or --nodes N with a static rate) is one budget:
+each instance is asked and the ledger counts their sum (ledger.py, "several hosts").
+
 The poll runs on the scheduler's thread; the HTTP endpoints only read `Poller.snapshot()`, so a
 slow or hanging provider never blocks /budget, /healthz or /metrics.
 """
@@ -17,7 +20,7 @@ from budget_sidecar.ledger import Ledger, reading_document
 from budget_sidecar.settings import SidecarSettings
 from x1_common.contracts import read_budget_file
 from x1_common.fsutil import write_json_atomic
-from x1_common.providers import LambdaClient, ProviderError, RunPodClient
+from x1_common.providers import Instance, LambdaClient, ProviderError, RunPodClient
 
 log = logging.getLogger("x1.budget_sidecar")
 
@@ -80,12 +83,18 @@ class Poller:
 
     def poll_once(self) -> None:
         s = self.settings
+        missing: dict[str, str] = {}
         try:
-            inst = None if self.client is None else self.client.get_instance(s.instance_id)
+            if s.parts:
+                inst, missing = self._poll_group()
+            else:
+                inst = None if self.client is None else self.client.get_instance(s.instance_id)
             now = self.clock()
+            static_rate = None if s.rate_usd_per_hr is None else s.rate_usd_per_hr * s.nodes
             self.ledger.record_success(
-                now, inst, time_scale=s.time_scale, static_rate=s.rate_usd_per_hr, initial_hours=s.initial_hours
+                now, inst, time_scale=s.time_scale, static_rate=static_rate, initial_hours=s.initial_hours
             )
+            self.ledger.note_missing_parts(missing)
         except (ProviderError, ValueError) as e:
             now = self.clock()
             self._error_kind = e.kind if isinstance(e, ProviderError) else "bad-answer"
@@ -99,10 +108,38 @@ class Poller:
             log.exception("poll crashed (%d in a row)", self.ledger.consecutive_failures)
             source = "estimate"
         else:
-            self._error_kind = None
-            # static has no provider to ask: its figure is an estimate by nature.
-            source = "estimate" if s.provider == "static" else "provider-api"
+            self._error_kind = "not-answered" if missing else None
+            if missing:
+                log.warning("no answer for %s: counted at the last known price (%d in a row)",
+                            self.ledger.last_error, self.ledger.consecutive_failures)
+            # static has no provider to ask: its figure is an estimate by nature, as is one that
+            # counts an unanswered instance at its last price.
+            source = "estimate" if s.provider == "static" or missing else "provider-api"
         self._publish(now, source)
+
+    def _poll_group(self) -> tuple[Instance | None, dict[str, str]]:
+        """Every instance of a run on several hosts, recorded in the ledger's parts. Returns the
+        group as one instance (None for static) and the instances the provider did not answer for.
+        Raises when none answered: a failed poll, as for one host."""
+        s = self.settings
+        if self.client is None:  # static: the same rate for every node
+            rate = float(s.rate_usd_per_hr or 0.0)
+            nodes = {n: Instance(id=n, status="running", raw_status="static", price_usd_per_hr=rate,
+                                 uptime_seconds=None, instance_type=None, region=None) for n in s.parts}
+            self.ledger.update_parts(nodes, {})
+            return None, {}
+        answers: dict[str, Instance] = {}
+        missing: dict[str, str] = {}
+        first_error: ProviderError | None = None
+        for iid in s.instance_ids:
+            try:
+                answers[iid] = self.client.get_instance(iid)
+            except ProviderError as e:
+                missing[iid] = str(e)
+                first_error = first_error or e
+        if first_error is not None and not answers:
+            raise first_error
+        return self.ledger.update_parts(answers, missing), missing
 
     def _publish(self, now: float, source: str) -> None:
         s = self.settings

@@ -22,7 +22,14 @@ class SidecarSettings(BaseSettings):
         description="where the spend comes from: a cloud's API, or a fixed rate (static, on-prem)"
     )
     api_url: str | None = Field(None, description="provider base URL without the API path; None = the real API")
-    instance_id: str = Field("", description="Lambda instance id or RunPod pod id (not needed for static)")
+    instance_id: str = Field(
+        "", description="Lambda instance id or RunPod pod id (not needed for static); a run on several hosts lists "
+        "every host's, comma-separated (id1,id2): each is priced and the spend is their sum"
+    )
+    nodes: int = Field(
+        1, ge=1, description="hosts the run bills (NNODES). static: the rate is per host and counted this many times; "
+        "a provider: the number of instance ids must match (a host left out of --instance-id would not be counted)"
+    )
     poll_seconds: float = Field(300.0, gt=0, description="seconds between polls (5 min: the lab's cadence)")
     output: Path = Field(Path("/workspace/budget.json"), description="budget.json, rewritten atomically every poll")
     cap_usd: float = Field(35.0, gt=0, description="the hard cap, written into budget.json and /metrics")
@@ -32,7 +39,7 @@ class SidecarSettings(BaseSettings):
         "far (no remaining-time term; budget.json says so in `projection`), and the trainer's guard alone projects "
         "the rest, from its own steps and measured throughput"
     )
-    rate_usd_per_hr: float | None = Field(None, gt=0, description="static provider only: the hourly rate")
+    rate_usd_per_hr: float | None = Field(None, gt=0, description="static provider only: the hourly rate of one host")
     initial_hours: float = Field(
         0.0, ge=0, description="hours billed before the first poll (Lambda reports no launch time): charged at the first rate"
     )
@@ -52,11 +59,29 @@ class SidecarSettings(BaseSettings):
                 raise ValueError(f"instance_id: the {self.provider} provider needs --instance-id")
             if self.rate_usd_per_hr is not None:
                 raise ValueError(f"rate_usd_per_hr: only for the static provider; {self.provider} reads its price")
+            ids = self.instance_id.split(",")
+            if any(not i.strip() or i != i.strip() for i in ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"instance_id: {self.instance_id!r} must be ids separated by single commas, each once")
+            if self.nodes > 1 and len(ids) != self.nodes:
+                raise ValueError(f"instance_id: {self.nodes} nodes (NNODES) but {len(ids)} instance id(s) given; list "
+                                 "every host's id, comma-separated, so that each one's price is counted")
         if self.api_url is not None and not self.api_url.startswith(("http://", "https://")):
             raise ValueError(f"api_url: {self.api_url!r} must start with http:// or https://")
         if self.alert_usd > self.cap_usd:
             raise ValueError(f"alert_usd: {self.alert_usd:g} is above cap_usd={self.cap_usd:g}")
         return self
+
+    @property
+    def instance_ids(self) -> list[str]:
+        """The provider's ids of the run's hosts (one for a single host); [] for static."""
+        return self.instance_id.split(",") if self.instance_id else []
+
+    @property
+    def parts(self) -> list[str]:
+        """What budget.json itemizes for a run on several hosts: each instance id, or for static
+        node-1..node-N; [] for one host (its figures are the total's)."""
+        names = self.instance_ids if self.provider != "static" else [f"node-{n}" for n in range(1, self.nodes + 1)]
+        return names if len(names) > 1 else []
 
     @property
     def projection_basis(self) -> str:

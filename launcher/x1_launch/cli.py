@@ -42,6 +42,7 @@ from x1_common.providers import (
     api_key_from_env,
     make_client,
 )
+from x1_common.restarts import describe as describe_restart
 from x1_launch import cloud, remote, verify
 from x1_launch.remote import STACKS, Layout
 from x1_launch.ssh import Remote, SSHError
@@ -289,7 +290,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     # 1. the price against the ceiling (the budget_sidecar.price rule)
     con.say(f"launch 1/7: the price of {instance_type} on {PROVIDER_DISPLAY[args.provider]} (ceiling ${ceiling:.2f}/h)")
-
     seen: list[float] = []
 
     def read_price() -> float:
@@ -511,9 +511,9 @@ def render_status(rec: InstanceRecord, inst: Instance | None, st: dict[str, Any]
             lines.append("services  " + ", ".join(f"{n} {s.get('health') or ('up' if s.get('running') else 'DOWN')}"
                                                   for n, s in services.items()))
         w = st.get("watchdog") or {}
-
         lines.append(f"restarts  {w.get('restarts_total') or 0} of the trainer on the instance"
                      + restart_summary(state, rec))
+        lines += [f"          {describe_restart(r)}" for r in st.get("restarts") or []]
         lines.append(f"watchdog  on the instance: {describe_decision(w.get('last_event'))}")
         if w.get("final"):
             f = w["final"]
@@ -539,7 +539,9 @@ def restart_summary(state: StateDir, rec: InstanceRecord) -> str:
     down = sum(float(e.get("downtime_seconds") or 0) for e in events if e.get("event") == "start")
     if not back:
         return ""
-    return f", {len(back)} of the instance brought back by the off-host watchdog ({down:.0f} s down in all)"
+    # The instance's time away (lost -> running again), not a restart's downtime: that ends at the
+    # trainer's first step, and the stack's restarts lines give it.
+    return f", {len(back)} of the instance brought back by the off-host watchdog ({down:.0f} s until it was back)"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ from x1_common.contracts import WATCHDOG_METRICS_PORT, ExitCode
 from x1_common.lease import Lease, LeaseError, LeaseHeld, LeaseKind
 from x1_common.logs import setup_logging
 from x1_common.providers import PROVIDERS, api_key_from_env, make_client
-from x1_watchdog.docker import DockerHandle  # httpx over a unix socket: only docker mode needs it
 from x1_watchdog.finish import Terminator
 from x1_watchdog.handles import ProcessHandle, StartError, TrainerHandle
 from x1_watchdog.metrics import WatchdogMetrics
@@ -259,6 +258,8 @@ def ensure_writable_dir(path: Path, option: str) -> None:
 
 def make_handle(args: argparse.Namespace, command: list[str], metrics: WatchdogMetrics) -> TrainerHandle:
     if args.mode == "docker":
+        from x1_watchdog.docker import DockerHandle  # the Docker SDK: only docker mode installs it
+
         return DockerHandle(args.container, socket_path=args.docker_socket, on_engine=metrics.docker_engine)
     return ProcessHandle(command, log_path=args.trainer_log)
 

@@ -1,21 +1,23 @@
-"""Docker mode's trainer handle: the trainer container, driven through the Docker Engine API on
-the mounted socket (httpx over a unix socket, no Docker SDK).
+"""Docker mode's trainer handle: the trainer container, driven through the Docker SDK on the
+mounted socket.
 
 Every decision is the supervisor's, shared with process mode and tested there; this file only
-translates start / poll / signal / kill, and the trainer's last words, into four Engine API calls:
+translates start / poll / signal / kill, and the trainer's last words, into four Engine API calls,
+made by name (a container recreated by compose keeps its name, not its id):
 
-    GET  /v{api}/containers/{name}/json              State.Running, ExitCode, OOMKilled, StartedAt, Pid
-    POST /v{api}/containers/{name}/start             204 started, 304 already running
-    POST /v{api}/containers/{name}/kill?signal=SIG   204 sent, 409 not running
-    GET  /v{api}/containers/{name}/logs?since=T      the output since the start (a start-up failure's error)
+    inspect_container   State.Running, ExitCode, OOMKilled, StartedAt, Pid
+    start               204 started, 304 already running
+    kill(signal=SIG)    204 sent, 409 not running
+    logs(since=T)       the output since the start (a start-up failure's error)
 
-The API version is negotiated as the Docker SDKs do. An engine serves a band of versions, from
-its MinAPIVersion to its ApiVersion, and refuses any other with HTTP 400 ("client version 1.43
-is too new. Maximum supported API version is 1.41"). Debian 12's docker.io (Engine 20.10) serves
-up to 1.41; Engine 29 serves 1.44 to 1.52. So no pinned version works on every GPU host: the
-handle asks the daemon once (the unversioned GET /version, or GET /_ping's API-Version header),
-speaks min(CLIENT_MAX_API, ApiVersion), never below MinAPIVersion, and asks again once when a
-call is refused as too old or too new (the engine was upgraded under a running watchdog).
+The API version is chosen here, not by the SDK's version="auto", which speaks whatever the daemon
+names as its newest. An engine serves a band of versions, from its MinAPIVersion to its
+ApiVersion, and refuses any other with HTTP 400 ("client version 1.43 is too new. Maximum
+supported API version is 1.41"). Debian 12's docker.io (Engine 20.10) serves up to 1.41; Engine
+29 serves 1.44 to 1.52. So the handle asks the daemon once (the unversioned GET /version, or
+GET /_ping's API-Version header for a socket proxy without /version), speaks
+min(CLIENT_MAX_API, ApiVersion), never below MinAPIVersion, and asks again once when a call is
+refused as too old or too new (the engine was upgraded under a running watchdog).
 
 Every failure here is a TrainerUnreachable (handles.py): the socket missing or not ours to use,
 an engine too old, a container the runtime refuses to start. The supervisor then stays up,
@@ -39,14 +41,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
+import docker
+import requests
+from docker.errors import APIError, DockerException, NotFound
 
 from x1_watchdog.handles import TrainerExit, TrainerUnreachable
 from x1_watchdog.policy import OUTPUT_TAIL_BYTES
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
@@ -132,33 +137,20 @@ def exit_from_state(state: dict[str, Any]) -> TrainerExit:
     return TrainerExit(code=code, signal=sig, detail=detail)
 
 
-def demux_logs(raw: bytes) -> bytes:
-    """A container's log stream as text. Without a TTY the engine multiplexes stdout and stderr in
-    frames (one byte for the stream: 0 stdin, 1 stdout, 2 stderr; three zero bytes; the length as
-    four big-endian bytes; the payload); with a TTY the stream is the raw output."""
-    out, i = bytearray(), 0
-    while i + 8 <= len(raw) and raw[i] in (0, 1, 2) and raw[i + 1:i + 4] == b"\0\0\0":
-        size = int.from_bytes(raw[i + 4:i + 8], "big")
-        out += raw[i + 8:i + 8 + size]
-        i += 8 + size
-    return bytes(out) if i == len(raw) else raw
 
 
-def refusal(resp: httpx.Response) -> str | None:
+def refusal(error: APIError) -> str | None:
     """The daemon's message when it refused the request's API version, else None."""
-    if resp.status_code != 400:
-        return None
-    try:
-        message = str(resp.json().get("message", ""))
-    except ValueError:
-        message = resp.text
-    return message if _REFUSED.search(message) else None
+    message = str(error.explanation or "")
+    return message if error.status_code == 400 and _REFUSED.search(message) else None
 
 
 def socket_problem(path: str, error: BaseException) -> str:
     """Why the socket cannot be used, in terms a person can act on."""
+    # The socket's own error, under the SDK's wrappers (requests' ConnectionError is an OSError too,
+    # without an errno).
     cause: BaseException | None = error
-    while cause is not None and not isinstance(cause, OSError):
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno is not None):
         cause = cause.__cause__ or cause.__context__
     code = cause.errno if isinstance(cause, OSError) else None
     if code == errno.ENOENT or not os.path.exists(path):
@@ -191,13 +183,10 @@ class DockerHandle:
         self.container = container
         self.label = f"container {container}"
         self.socket_path = socket_path
-        self._client = httpx.Client(
-            transport=httpx.HTTPTransport(uds=socket_path),
-            base_url="http://docker",  # the host part is ignored over a unix socket
-            timeout=timeout,
-        )
+        self.timeout = timeout
         self._on_engine = on_engine or (lambda engine: None)  # e.g. the metrics' engine info
         self.engine: Engine | None = None  # negotiated on the first call, not at construction
+        self._api: docker.APIClient | None = None  # the SDK's client, at the negotiated version
         self._pid: int | None = None
         self._started_at = 0.0
 
@@ -211,21 +200,30 @@ class DockerHandle:
 
     # -- the API version -----------------------------------------------------------------------
 
-    def _raw(self, method: str, path: str, **params: str) -> httpx.Response:
+    def _client(self, version: ApiVersion) -> docker.APIClient:
+        # The SDK's low-level client (DockerClient.api): it calls containers by name, where the
+        # high-level Container objects go by id. Built with an explicit version it sends nothing
+        # yet. The timeout applies to every call: a hung daemon is a failed check, not a hang.
+        return docker.APIClient(base_url=f"unix://{self.socket_path}", version=str(version), timeout=self.timeout)
+
+    def _send(self, call: Callable[[docker.APIClient], T]) -> T:
         try:
-            return self._client.request(method, path, params=params or None)
-        except httpx.HTTPError as e:
+            return call(self._api)
+        except APIError:
+            raise  # the engine answered: the caller reads the answer
+        except (requests.RequestException, DockerException) as e:
             raise TrainerUnreachable(socket_problem(self.socket_path, e)) from e
 
     def negotiate(self) -> Engine:
         """Asks the daemon which versions it serves (unversioned requests get its newest)."""
-        resp = self._raw("GET", "/version")
-        info: dict[str, Any] = {}
-        if resp.status_code == 200:
-            try:
-                info = resp.json()
-            except ValueError:
-                info = {}
+        if self._api is None:
+            self._api = self._client(CLIENT_MIN_API)  # unsent: both questions below are unversioned
+        try:
+            info: dict[str, Any] = self._send(lambda api: api.version(api_version=False))
+        except APIError as e:
+            info, answered = {}, e.status_code
+        else:
+            answered = 200
         try:
             if info.get("ApiVersion"):
                 min_text = info.get("MinAPIVersion")
@@ -233,49 +231,51 @@ class DockerHandle:
                                         ApiVersion.parse(min_text) if min_text else None, str(info.get("Version", "")))
             else:
                 # An engine or proxy without /version: /_ping's header names the newest it serves.
-                ping = self._raw("GET", "/_ping")
+                ping = self._send(lambda api: api.get(f"{api.base_url}/_ping", timeout=self.timeout))
                 header = ping.headers.get("API-Version")
                 if not header:
                     raise TrainerUnreachable(
                         f"the Docker Engine at {self.socket_path} names no API version (GET /version: HTTP "
-                        f"{resp.status_code}; GET /_ping: HTTP {ping.status_code}, no API-Version header)")
+                        f"{answered}; GET /_ping: HTTP {ping.status_code}, no API-Version header)")
                 engine = choose_version(ApiVersion.parse(header), None)
         except ValueError as e:
             raise TrainerUnreachable(f"the Docker Engine at {self.socket_path}: {e}") from e
         if engine != self.engine:
             log.info("%s", engine.describe())
+        if self._api.api_version != str(engine.speak):
+            self._api.close()
+            self._api = self._client(engine.speak)
         self.engine = engine
         self._on_engine(engine)
         return engine
 
-    def _call(self, method: str, path: str, **params: str) -> httpx.Response:
-        """One Engine API call at the negotiated version; negotiated again, once, if refused."""
+    def _call(self, what: str, call: Callable[[docker.APIClient], T]) -> T:
+        """One Engine API call at the negotiated version, negotiated again, once, if refused. Any
+        other error answer is a TrainerUnreachable naming the command (`what`) and the answer."""
         engine = self.engine or self.negotiate()
-        resp = self._raw(method, f"/v{engine.speak}/containers/{self.container}{path}", **params)
-        refused = refusal(resp)
-        if refused is None:
-            return resp
-        log.warning("the Docker Engine refused API %s (%s): negotiating again", engine.speak, refused)
-        engine = self.negotiate()
-        resp = self._raw(method, f"/v{engine.speak}/containers/{self.container}{path}", **params)
-        refused_again = refusal(resp)
-        if refused_again is not None:
-            self.engine = None  # ask afresh next time
-            raise TrainerUnreachable(
-                f"the Docker Engine refuses API {engine.speak} too, after negotiating: {refused_again}")
-        return resp
+        for attempt in (1, 2):
+            try:
+                return self._send(call)
+            except NotFound as e:
+                raise TrainerUnreachable(
+                    f"no container named {self.container!r} (docker ps -a; compose's container_name; "
+                    f"`docker compose up -d` creates it)") from e
+            except APIError as e:
+                refused = refusal(e)
+                if refused is None:  # e.g. HTTP 500 "error setting rlimit type 8: operation not permitted"
+                    raise TrainerUnreachable(f"{what}: HTTP {e.status_code}: {str(e.explanation)[:300]}") from e
+                if attempt == 2:
+                    self.engine = None  # ask afresh next time
+                    raise TrainerUnreachable(
+                        f"the Docker Engine refuses API {engine.speak} too, after negotiating: {refused}") from e
+            log.warning("the Docker Engine refused API %s (%s): negotiating again", engine.speak, refused)
+            engine = self.negotiate()
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     # -- the trainer handle --------------------------------------------------------------------
 
     def _inspect(self) -> dict[str, Any]:
-        resp = self._call("GET", "/json")
-        if resp.status_code == 404:
-            raise TrainerUnreachable(
-                f"no container named {self.container!r} (docker ps -a; compose's container_name; "
-                f"`docker compose up -d` creates it)")
-        if resp.status_code != 200:
-            raise TrainerUnreachable(f"docker inspect {self.container}: HTTP {resp.status_code}: {resp.text[:300]}")
-        return resp.json()["State"]
+        return self._call(f"docker inspect {self.container}", lambda api: api.inspect_container(self.container))["State"]
 
     def start(self, resume: bool) -> None:
         state = self._inspect()
@@ -286,10 +286,8 @@ class DockerHandle:
             log.info("adopted running %s (pid %s)", self.label, self._pid)
             return
         self._started_at = time.time()
-        resp = self._call("POST", "/start")
-        if resp.status_code not in (204, 304):
-            # e.g. HTTP 500 "error setting rlimit type 8: operation not permitted" (compose.cpu.yaml)
-            raise TrainerUnreachable(f"docker start {self.container}: HTTP {resp.status_code}: {resp.text[:300]}")
+        # HTTP 304 (already running) is no error; compose.cpu.yaml's rlimit refusal is HTTP 500.
+        self._call(f"docker start {self.container}", lambda api: api.start(self.container))
         self._pid = self._inspect().get("Pid") or None
         log.info("started %s (pid %s)", self.label, self._pid)
 
@@ -304,28 +302,26 @@ class DockerHandle:
     def signal(self, sig: int) -> None:
         name = signal.Signals(sig).name
         try:
-            resp = self._call("POST", "/kill", signal=name)
+            self._call(f"docker kill -s {name} {self.container}", lambda api: api.kill(self.container, signal=name))
         except TrainerUnreachable as e:
-            log.warning("docker kill -s %s %s: %s", name, self.container, e)
-            return
-        if resp.status_code not in (204, 409):  # 409: not running any more, which is the goal
-            log.warning("docker kill -s %s %s: HTTP %d", name, self.container, resp.status_code)
+            answer = e.__cause__.status_code if isinstance(e.__cause__, APIError) else None
+            if answer != 409:  # 409: not running any more, which is the goal
+                log.warning("%s", e if answer else f"docker kill -s {name} {self.container}: {e}")
 
     def identity(self) -> dict[str, Any] | None:
         return {"container": self.container}
 
     def output_tail(self) -> str | None:
-        """The container's output since this trainer started (`docker logs --since --tail`)."""
-        since = str(int(self._started_at)) if self._started_at else "0"
+        """The container's output since this trainer started (`docker logs --since --tail`); the SDK
+        joins the stdout and stderr frames of a container without a TTY."""
+        since = int(self._started_at) or None
         try:
-            resp = self._call("GET", "/logs", stdout="1", stderr="1", since=since, tail="500")
-        except TrainerUnreachable as e:
-            log.warning("docker logs %s: %s", self.container, e)
+            raw = self._call(f"docker logs {self.container}", lambda api: api.logs(
+                self.container, stdout=True, stderr=True, since=since, tail=500))
+        except TrainerUnreachable as e:  # e.g. a logging driver that cannot be read back
+            log.warning("%s", e if isinstance(e.__cause__, APIError) else f"docker logs {self.container}: {e}")
             return None
-        if resp.status_code != 200:  # e.g. a logging driver that cannot be read back
-            log.warning("docker logs %s: HTTP %d: %s", self.container, resp.status_code, resp.text[:300])
-            return None
-        return demux_logs(resp.content)[-OUTPUT_TAIL_BYTES:].decode("utf-8", errors="replace")
+        return raw[-OUTPUT_TAIL_BYTES:].decode("utf-8", errors="replace")
 
     def end_leftover(self, identity: dict[str, Any], grace_seconds: float) -> None:
         pass  # the container is the same one: start() adopts it if it still runs

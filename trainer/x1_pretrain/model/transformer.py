@@ -29,16 +29,6 @@ except Exception:  # noqa: BLE001 - an ImportError, or a CUDA/driver mismatch at
     flash_attn_func = None
 
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-# With the model's Triton kernels on (CUDA), which of them to use; the benchmark turns each off
-# to measure what it brings (docs/PERFORMANCE.md).
-FUSED_ROPE = True
-FUSED_SWIGLU = True
-# With the loss kernel on, in training: the head and the loss as one autograd Function whose
-# forward also writes the logits' gradient (losses.head_cross_entropy).
-FUSED_HEAD_GRAD = True
-# With both kernels on: each block's norms folded into the matmul after them, the kernel after
-# that applying the norm's per-token scale (kernels.normed_linear).
-FOLD_NORMS = True
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device) -> str:
@@ -181,7 +171,7 @@ class Attention(nn.Module):
         (B, T, (H + 2 Hkv) hd); `scale` (B, T, 1): a per-token factor of qkv (a folded norm's)."""
         B, T, _ = qkv.shape
         H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
-        if self.fused and cache is None and FUSED_ROPE:
+        if self.fused and cache is None:
             q, k, v = rope_qkv(qkv, cos, sin, H, Hkv, scale)
         else:  # q and k rotated as one tensor: one kernel each way instead of two
             if scale is not None:
@@ -227,7 +217,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, copies: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         gate_up = _linear(x, self.w_gate_up, copies, "w_gate_up", self.lt)
-        if self.fused and FUSED_SWIGLU:
+        if self.fused:
             h = swiglu(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -244,8 +234,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def folds_norms(self, cache: KVCache | None = None) -> bool:
-        """Whether forward takes the folded path (`_folded`)."""
-        return cache is None and self.attn.fused and self.mlp.fused and FOLD_NORMS and FUSED_ROPE and FUSED_SWIGLU
+        """Whether forward takes the folded path (`_folded`): with the Triton kernels on, outside
+        generation, each block's norms are folded into the matmul after them and the kernel after
+        that applies the norm's per-token scale (kernels.normed_linear)."""
+        return cache is None and self.attn.fused and self.mlp.fused
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int,
                 copies: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -348,7 +340,9 @@ class Transformer(nn.Module):
             w = _Bf16Copy.apply(self.tok_emb.weight, copies["head"])
         else:
             w = copies["head"]
-        if self.fused_loss and FUSED_HEAD_GRAD and torch.is_grad_enabled():
+        # In training, with the loss kernel on: the head and the loss as one autograd Function whose
+        # forward also writes the logits' gradient (losses.head_cross_entropy).
+        if self.fused_loss and torch.is_grad_enabled():
             if torch.is_autocast_enabled(h.device.type):  # the casts autocast gives the head's F.linear
                 dtype = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dtype), w.to(dtype)

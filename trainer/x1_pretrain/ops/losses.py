@@ -32,9 +32,6 @@ BWD_LAUNCH = {"BLOCK": 4096, "num_warps": 16}
 # The forward that also writes the gradient: the same tiles, on a persistent grid of PER_SM
 # programs per SM (see _ce_fwd_grad_kernel for why so few).
 GRAD_LAUNCH = {"BLOCK": 8192, "K": 8, "num_warps": 32, "PER_SM": 2, "FIRST": "evict_last", "SECOND": "evict_first"}
-# The forward-and-gradient kernel whose first pass takes only each row's max: one exponential per
-# logit, not two (_ce_fwd_grad_max_first_kernel).
-MAX_FIRST = True
 
 
 if triton is not None:
@@ -79,63 +76,26 @@ if triton is not None:
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
-    def _ce_fwd_grad_kernel(logits_ptr, stride, grad_ptr, targets_ptr, loss_ptr, lse_ptr, n_rows, V, Vp,
+    def _ce_fwd_grad_kernel(logits_ptr, stride, grad_ptr, targets_ptr, loss_ptr, scale_ptr, n_rows, V, Vp,
                             BLOCK: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr, SECOND: tl.constexpr):
-        # The forward and the backward of a row in one program, for a training step: the loss and
-        # logsumexp as _ce_fwd_kernel computes them, then softmax - onehot written in the logits'
-        # dtype (unscaled: the caller applies d loss per row to the head's far smaller matmul
-        # operands). Apart, the two kernels read the 6.6 GB of logits of a 64 x 1024 micro-batch
-        # twice from HBM; here the second read of a row comes from L2. So the grid is persistent,
-        # a few programs per SM, each holding one 100 KB row between its two passes: a few
-        # hundred rows live, inside the 60 MB L2 (ncu: 6.7 GB read and 6.6 GB written per
-        # micro-batch, call 25). With so few programs, latency is hidden by warps, not programs:
-        # many warps per program, few registers per thread (one 16-byte vector per tile each:
-        # 32), nothing per element that can be done once per row: whole tiles load unmasked, the
-        # target's gradient is fixed up after its tile is written. A build with 116 registers
-        # per thread fitted one program per SM and took 5.6 ms against this one's 3.8 (call 24).
+        # The forward and the backward of a row in one program, for a training step. Apart, the
+        # loss's two kernels read the 6.6 GB of logits of a 64 x 1024 micro-batch twice from HBM;
+        # here the second read of a row comes from L2. So the grid is persistent, a few programs
+        # per SM, each holding one 100 KB row between its two passes: a few hundred rows live,
+        # inside the 60 MB L2 (ncu: 6.7 GB read and 6.6 GB written per micro-batch, call 25).
+        # With so few programs, latency is hidden by warps, not programs: many warps per program,
+        # few registers per thread, nothing per element that can be done once per row: whole tiles
+        # load unmasked, the target's gradient is fixed up after its tile is written. A build with
+        # 116 registers per thread fitted one program per SM and took 5.6 ms against 3.8 (call 24).
         # The second pass starts from the last, partial tile, still in registers, then walks back.
-        R: tl.constexpr = BLOCK // K
-        LOG2E: tl.constexpr = 1.4426950408889634
-        offs = tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]
-        full = V // BLOCK * BLOCK  # columns in whole tiles: all real, none padded
-        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row x stride > 2^31
-            base = logits_ptr + row * stride
-            out = grad_ptr + row * stride
-            target = tl.load(targets_ptr + row)
-            x_t = tl.load(base + target).to(tl.float32)  # issued early, used after the first pass
-            m = tl.full([R], -1e30, tl.float32)  # finite: -inf - -inf would be NaN
-            s = tl.zeros([R], tl.float32)
-            for start in range(0, full, BLOCK):
-                m, s = _lanes_update(tl.load(base + start + offs, eviction_policy=FIRST).to(tl.float32), m, s)
-            tail = full + offs  # the last tile: up to the padded width (a multiple of 16: 16-byte loads)
-            x = tl.load(base + tail, mask=tail < Vp, other=0.0, eviction_policy=FIRST).to(tl.float32)
-            x = tl.where(tail < V, x, float("-inf"))  # padded columns: probability exactly 0
-            m, s = _lanes_update(x, m, s)
-            row_max = tl.max(m, 0)
-            lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
-            tl.store(loss_ptr + row, lse - x_t)
-            tl.store(lse_ptr + row, lse)
-            p = tl.exp2(x * LOG2E - lse * LOG2E)
-            tl.store(out + tail, p.to(grad_ptr.dtype.element_ty), mask=tail < Vp, eviction_policy="evict_first")
-            for i in range(0, full // BLOCK):
-                cols = full - (i + 1) * BLOCK + offs
-                p = tl.exp2(tl.load(base + cols, eviction_policy=SECOND).to(tl.float32) * LOG2E - lse * LOG2E)
-                tl.store(out + cols, p.to(grad_ptr.dtype.element_ty), eviction_policy="evict_first")
-            # softmax - onehot: the target's column gets its p - 1, once every thread's store of
-            # the row is issued (the barrier orders them within the program)
-            tl.debug_barrier()
-            tl.store(out + target, (tl.exp2(x_t * LOG2E - lse * LOG2E) - 1.0).to(grad_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _ce_fwd_grad_max_first_kernel(logits_ptr, stride, grad_ptr, targets_ptr, loss_ptr, scale_ptr, n_rows, V, Vp,
-                                      BLOCK: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr,
-                                      SECOND: tl.constexpr):
-        # As _ce_fwd_grad_kernel, with one exponential per element instead of two. Its first pass
-        # takes only the row's max m (no exponential); its second writes e = exp(x - m), which is in
-        # (0, 1], and sums it: s = sum(e), lse = m + log(s). The row's gradient softmax - onehot is
-        # (e - s * onehot) / s, so the kernel writes e - s * onehot and returns 1 / s per row, which
-        # the caller folds into the per-row factor it already applies to the head's matmul operands.
-        # In bf16, e and e_t - s carry the relative rounding that p and p_t - 1 carried.
+        #
+        # One exponential per element (call 54; the build with two, an online sum-exp in the first
+        # pass, is in git at e6b61af): the first pass takes only the row's max m; the second writes
+        # e = exp(x - m), which is in (0, 1], and sums it: s = sum(e), lse = m + log(s). The row's
+        # gradient softmax - onehot is (e - s * onehot) / s, so the kernel writes e - s * onehot
+        # and returns 1 / s per row, which the caller folds into the per-row factor it already
+        # applies to the head's matmul operands. In bf16, e and e_t - s carry the relative
+        # rounding that p and p_t - 1 carried.
         R: tl.constexpr = BLOCK // K
         LOG2E: tl.constexpr = 1.4426950408889634
         offs = tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]
@@ -272,16 +232,10 @@ def ce_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, vocab: int
     grad = torch.empty_like(logits)
     launch = {k: v for k, v in GRAD_LAUNCH.items() if k != "PER_SM"}
     # the registers per thread that let PER_SM programs share an SM's 64K (ptxas would otherwise
-    # take up to 38 for the max-first kernel at 32 warps, and fit one program per SM)
+    # take up to 38 for this kernel at 32 warps, and fit one program per SM)
     launch["maxnreg"] = min(255, 65536 // (GRAD_LAUNCH["PER_SM"] * GRAD_LAUNCH["num_warps"] * 32))
     grid = (min(n, grad_programs(logits.device)),)
-    if MAX_FIRST:
-        _ce_fwd_grad_max_first_kernel[grid](logits, logits.stride(0), grad, targets, loss, scale, n, vocab,
-                                            logits.size(1), **launch)
-    else:  # scale is then 1; the kernel writes the lse there, which is not needed here
-        _ce_fwd_grad_kernel[grid](logits, logits.stride(0), grad, targets, loss, scale, n, vocab, logits.size(1),
-                                  **launch)
-        scale.fill_(1.0)
+    _ce_fwd_grad_kernel[grid](logits, logits.stride(0), grad, targets, loss, scale, n, vocab, logits.size(1), **launch)
     return loss, grad, scale
 
 

@@ -41,7 +41,6 @@ from x1_common.contracts import (
     MLFLOW_LOSS,
     MLFLOW_MFU,
     MLFLOW_PARAM_NORM,
-    MLFLOW_RESTART,
     MLFLOW_SPIKE,
     MLFLOW_SPIKE_INJECTED,
     MLFLOW_TOKENS_PER_SEC,
@@ -55,6 +54,7 @@ from x1_common.contracts import (
     utc_now,
 )
 from x1_common.fsutil import make_readable, sha256_file, write_json_atomic, write_text_atomic
+from x1_common.restarts import label as restart_label
 from x1_pretrain.checkpoint.store import MARKER
 from x1_pretrain.checkpoint.weights import read_metadata
 from x1_pretrain.config import ConfigError, model_config_from_json
@@ -126,10 +126,8 @@ def _join_by_step(a: Series, b: Series) -> list[tuple[float, float]]:
 def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predicted: float | None,
                  clip: float | None, title: str, restart_cost: dict[str, Any] | None = None) -> None:
 
-    restart_steps = sorted(set(record.flagged(MLFLOW_RESTART)))
-    # A resumed process's first step is its checkpoint's step + 1; `restart` is logged at the checkpoint's.
-    downtimes = {r["resumed_first_step"] - 1: r.get("downtime_seconds")
-                 for r in (restart_cost or {}).get("restarts", []) if r.get("resumed_first_step") is not None}
+    # One band per restart, from its stop to the relaunched process's first step (x1_common.restarts).
+    bands = restart_bands(record.raw.get(MLFLOW_WALL_HOURS, []), (restart_cost or {}).get("restarts", []))
 
     injected = record.flagged(MLFLOW_SPIKE_INJECTED)
     window = (injected[0], injected[-1]) if injected else None
@@ -143,41 +141,41 @@ def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predic
                          title=f"{title}: gradient and parameter norms", injection=window,
                          spikes=record.get("spike_grad_norm"))
     wall = record.get(MLFLOW_WALL_HOURS)
-    plots.throughput_curve(out / "throughput.png", _segments(record.get(MLFLOW_TOKENS_PER_SEC), wall, restart_steps),
-                           gaps=_gaps(record.get(MLFLOW_TOKENS_PER_SEC), wall, restart_steps, downtimes),
-                           mfu=_segments(record.get(MLFLOW_MFU), wall, restart_steps), title=f"{title}: throughput")
+    plots.throughput_curve(out / "throughput.png", _segments(record.get(MLFLOW_TOKENS_PER_SEC), wall, bands),
+                           gaps=bands, mfu=_segments(record.get(MLFLOW_MFU), wall, bands), title=f"{title}: throughput")
 
 
-def _segments(values: Series, wall: Series, breaks: list[int]) -> list[list[tuple[float, float]]]:
-    """(wall hours, value) per process: a restart at step r (the checkpoint it resumed from)
-    ends the segment of the steps up to r."""
+def restart_bands(wall_raw: list[tuple[int, int, float]], restarts: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """(from hours, to hours, label) per restart on the wall-hours axis: its stop -> the relaunched
+    process's first step. The axis's origin (the run's first start) from the wall_hours metric:
+    each value was logged at its MLflow timestamp."""
+    if not wall_raw:
+        return []
+    offsets = sorted(ts / 1000 - hours * 3600 for _, ts, hours in wall_raw)
+    origin = offsets[len(offsets) // 2]
+    out = []
+    for r in restarts:
+        if r.get("stopped_unix") is None:
+            continue  # nothing to place it at
+        end = r.get("resumed_unix") if r.get("resumed_unix") is not None else r["stopped_unix"]
+        out.append(((r["stopped_unix"] - origin) / 3600, (end - origin) / 3600, restart_label(r)))
+    return out
+
+
+def _segments(values: Series, wall: Series, bands: list[tuple[float, float, str]]) -> list[list[tuple[float, float]]]:
+    """(wall hours, value) per stretch between restarts: no point inside a restart's band (the
+    process was down), and no line drawn across one."""
     hours = dict(wall)
     segments: list[list[tuple[float, float]]] = [[]]
-    edges = iter(sorted(set(breaks)))
-    edge = next(edges, None)
-    for step, v in values:
-        while edge is not None and step > edge:
+    edges = sorted((lo, hi) for lo, hi, _ in bands)
+    slack = 0.05 / 3600  # a log at the first step itself is the band's end, not inside it (ms timestamps)
+    for h, v in sorted((hours[step], v) for step, v in values if step in hours):
+        if any(lo <= h < hi - slack for lo, hi in edges):
+            continue
+        if segments[-1] and any(segments[-1][-1][0] < lo <= h for lo, _ in edges):
             segments.append([])
-            edge = next(edges, None)
-        if step in hours:
-            segments[-1].append((hours[step], v))
-    return [s for s in segments if s]
-
-
-def _gaps(values: Series, wall: Series, breaks: list[int], downtimes: dict[int, float | None]) -> list[tuple[float, float, str]]:
-    """(from hours, to hours, label) for each restart between two segments."""
-    out = []
-    logged = {s for s, _ in values}
-    hours = [(s, h) for s, h in wall if s in logged]
-    for r in sorted(set(breaks)):
-        before = [h for s, h in hours if s <= r]
-        after = [h for s, h in hours if s > r]
-        if before and after:
-            down = downtimes.get(r)
-            label = (f"restart: {down:.0f} s from the exit to the next step" if down is not None
-                     else "restart (downtime not measured)")
-            out.append((before[-1], after[0], label))
-    return out
+        segments[-1].append((h, v))
+    return [seg for seg in segments if seg]
 
 
 

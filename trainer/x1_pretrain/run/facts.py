@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from x1_common import restarts
 from x1_common.contracts import (
     END_REASONS,
     MLFLOW_FORECAST_METRICS,
@@ -20,6 +21,7 @@ from x1_common.contracts import (
     format_utc,
     read_budget_file,
 )
+from x1_common.restarts import Start
 from x1_pretrain.checkpoint.store import FINAL_WEIGHTS, MODEL_FILE, STATE_FILE, Checkpointer, TrainerState
 from x1_pretrain.checkpoint.weights import read_metadata
 from x1_pretrain.config import ConfigError, ModelConfig, config_from_dict
@@ -321,45 +323,36 @@ def restart_count(record: RunRecord, events: list[dict[str, Any]], events_path: 
             "restart_cost": cost}
 
 
-@dataclass(frozen=True)
-class ProcessStart:
-    """One start of the trainer, as it logged its first step (train.log_first_step)."""
-
-    first_step: int
-    first_step_unix: float
-    startup_seconds: float
-    downtime_seconds: float | None  # since the previous process's last heartbeat (resumes only)
-
-
-def process_starts(record: RunRecord) -> list[ProcessStart]:
-    """Every start that reached its first step, oldest first. The metrics of one start share its
-    log call: the same step and timestamp."""
+def process_starts(record: RunRecord) -> list[Start]:
+    """Every start that reached its first step, oldest first, with what it knew of the process
+    before it (train.log_first_step). The metrics of one start share its log call: the same step
+    and timestamp."""
     by_call = {}
-    for key in ("startup_seconds", "downtime_seconds"):
+    keys = ("startup_seconds", "downtime_seconds", "stopped_unix", "stopped_by", "stopped_step")
+    for key in keys:
         for step, ts, value in record.raw.get(key, []):
             by_call[(key, step, ts)] = value
-    starts = [ProcessStart(step, value, by_call[("startup_seconds", step, ts)], by_call.get(("downtime_seconds", step, ts)))
-              for step, ts, value in record.raw.get("first_step_unix", []) if ("startup_seconds", step, ts) in by_call]
+    starts = []
+    for step, ts, value in record.raw.get("first_step_unix", []):
+        if ("startup_seconds", step, ts) not in by_call:
+            continue
+        previous = None
+        if (stopped := by_call.get(("stopped_unix", step, ts))) is not None:
+            by = restarts.STOPPED_BY[int(by_call.get(("stopped_by", step, ts), 2))]
+            at = by_call.get(("stopped_step", step, ts))
+            previous = restarts.Stop(stopped, by, None if at is None else int(at))
+        elif (down := by_call.get(("downtime_seconds", step, ts))) is not None:  # a run from before stopped_unix
+            previous = restarts.Stop(value - down, "last heartbeat")
+        starts.append(Start(step, value, by_call[("startup_seconds", step, ts)], previous))
     return sorted(starts, key=lambda p: p.first_step_unix)
-
-
-def _unix(iso: Any) -> float | None:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(str(iso).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def restart_cost(record: RunRecord, events: list[dict[str, Any]]) -> dict[str, Any]:
     """What each start and each restart cost, in seconds.
 
-    startup: the process's start -> its first optimizer step done (logged by the trainer). downtime
-    of a restart: the exit (the watchdog's exit event) -> the relaunched process's first step,
-    i.e. the emergency checkpoint's aftermath, the watchdog's backoff and the new start's startup.
-    Without the watchdog's events, the trainer's own figure: the previous process's last heartbeat
-    -> its first step. A number that was not logged is null, with the reason; never guessed."""
+    startup: the process's start -> its first optimizer step done (logged by the trainer). A
+    restart's downtime: x1_common.restarts, the one definition `stack status`, the demo and
+    throughput.png use too. A number that was not logged is null, with the reason; never guessed."""
     starts = process_starts(record)
     out: dict[str, Any] = {
         "starts": [{"first_step": p.first_step, "first_step_utc": format_utc_unix(p.first_step_unix),
@@ -367,42 +360,17 @@ def restart_cost(record: RunRecord, events: list[dict[str, Any]]) -> dict[str, A
         "startup_note": "process start -> its first optimizer step done: interpreter, imports, data checks, model, "
                         "compile (or its cache), warm-up, restore",
     }
-    restarts: list[dict[str, Any]] = []
-    exits = [e for e in events if e.get("event") == "exit"]
-    relaunches = [e for e in events if e.get("event") == "relaunch"]
-    if relaunches:
-        exit_times = [_unix(e.get("time")) for e in exits]
-        for n, rel in enumerate(relaunches, 1):
-            rel_t = _unix(rel.get("time"))
-            ex_t = max((t for t in exit_times if t is not None and rel_t is not None and t <= rel_t), default=None)
-            later_exits = [t for t in exit_times if t is not None and ex_t is not None and t > ex_t]
-            until = min(later_exits, default=float("inf"))
-            nxt = next((p for p in starts if ex_t is not None and ex_t < p.first_step_unix < until), None)
-            item: dict[str, Any] = {"restart": n, "reason": rel.get("reason"), "exit_code": rel.get("exit_code"),
-                                    "exit_utc": None if ex_t is None else format_utc_unix(ex_t),
-                                    "relaunch_delay_seconds": rel.get("downtime_seconds"), "source": "watchdog events"}
-            if nxt is None or ex_t is None:
-                item.update(downtime_seconds=None, startup_seconds=None,
-                            why="not measured: the relaunched process logged no first step (it ended before one, "
-                                "or its metrics never reached MLflow)")
-            else:
-                item.update(resumed_first_step=nxt.first_step, startup_seconds=round(nxt.startup_seconds, 3),
-                            downtime_seconds=round(nxt.first_step_unix - ex_t, 3))
-            restarts.append(item)
-        out["downtime_note"] = "the exit (watchdog's event) -> the relaunched process's first step done"
-    else:
-        for n, p in enumerate((p for p in starts if p.downtime_seconds is not None), 1):
-            restarts.append({"restart": n, "resumed_first_step": p.first_step,
-                             "startup_seconds": round(p.startup_seconds, 3),
-                             "downtime_seconds": round(p.downtime_seconds, 3),  # type: ignore[arg-type]
-                             "source": "trainer (MLflow downtime_seconds)"})
-        out["downtime_note"] = ("no watchdog events: the previous process's last heartbeat (after its emergency "
-                                "checkpoint, for a preemption) -> the resumed process's first step done")
-    out["restarts"] = restarts
-    measured = [r["downtime_seconds"] for r in restarts if r.get("downtime_seconds") is not None]
-    out["downtime_seconds_total"] = round(sum(measured), 3) if len(measured) == len(restarts) else None
-    if len(measured) != len(restarts):
-        out["downtime_seconds_total_why"] = f"not measured: {len(restarts) - len(measured)} restart(s) without a figure"
+    found = restarts.restarts(starts, events)
+    source = ("the watchdog's relaunch events and the trainer's start records (MLflow)"
+              if any(e.get("event") == "relaunch" for e in events) else "the trainer's start records (MLflow)")
+    for r in found:
+        r["source"] = source
+    out["restarts"] = found
+    out["downtime_note"] = restarts.DEFINITION
+    measured = [r["downtime_seconds"] for r in found if r.get("downtime_seconds") is not None]
+    out["downtime_seconds_total"] = round(sum(measured), 1) if len(measured) == len(found) else None
+    if len(measured) != len(found):
+        out["downtime_seconds_total_why"] = f"not measured: {len(found) - len(measured)} restart(s) without a figure"
     return out
 
 

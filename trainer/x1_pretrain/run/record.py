@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from x1_common.contracts import MLFLOW_RESTART, redact, scrub_record
+from x1_common.contracts import MLFLOW_RESTART, MLFLOW_WALL_HOURS, redact, scrub_record
 
 # The export is run by a person waiting at a prompt: MLflow's own client would retry an
 # unreachable server 7 times with backoff; we retry a few times ourselves and say so.
@@ -30,7 +30,8 @@ class ExportError(Exception):
 
 
 Series = list[tuple[int, float]]  # (step, value), ascending steps, one value per step
-RAW_KEYS = (MLFLOW_RESTART, "startup_seconds", "first_step_unix", "downtime_seconds")
+RAW_KEYS = (MLFLOW_RESTART, "startup_seconds", "first_step_unix", "downtime_seconds", "stopped_unix", "stopped_by",
+            "stopped_step", MLFLOW_WALL_HOURS)
 
 # ---------------------------------------------------------------------------------------------
 # Reading a run from MLflow

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from x1_common.restarts import describe as describe_restart
 from x1_pretrain.stack.process import Service, signals_ignored, wait_until
 from x1_pretrain.stack.workspace import (
     REPO,
@@ -216,10 +217,9 @@ def describe_event(e: dict[str, Any]) -> str | None:
     if kind == "exit":
         return f"watchdog: trainer pid {e.get('pid')} exited with code {e.get('exit_code')} ({e.get('reason')})"
     if kind == "relaunch":
-        # The relaunch delay only: the downtime (exit -> the next completed step) is the manifest's
-        # restart_cost, printed after the export.
-        return (f"watchdog: relaunch #{e.get('restart')} after {e.get('reason')} (exit {e.get('exit_code')}), "
-                f"{e.get('downtime_seconds')} s after the exit")
+        # Not the downtime: that ends at the relaunched process's first step, and the demo prints
+        # it from the manifest after the export (x1_common.restarts).
+        return f"watchdog: relaunch #{e.get('restart')} after {e.get('reason')} (exit {e.get('exit_code')})"
     if kind == "terminate":
         ok = "terminated" if e.get("ok") else f"terminate FAILED: {e.get('error')}"
         return f"watchdog: instance {e.get('instance_id')} {ok} ({e.get('termination_file', '')})"
@@ -393,8 +393,7 @@ def finish_run(ws: Workspace, steps: OneShots, mlflow_uri: str, console: Console
     except (OSError, ValueError):
         cost = {}
     for r in cost.get("restarts", []):
-        console.say(f"restart #{r.get('restart')}: downtime {r.get('downtime_seconds')} s "
-                    f"({cost.get('downtime_note', 'the exit -> the next completed step')})")
+        console.say(describe_restart(r))
     console.section("Definition of done")
     print(ws.log("dod").read_text(encoding="utf-8", errors="replace").rstrip(), flush=True)
     return code or finished

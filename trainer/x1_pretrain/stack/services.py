@@ -38,6 +38,7 @@ DEFAULTS: dict[str, str] = {
     # the instance and its bill
     "PROVIDER": "lambda",
     "INSTANCE_ID": "",
+    "INSTANCE_IDS": "",
     "LAMBDA_API_KEY": "",
     "RUNPOD_API_KEY": "",
     "PROVIDER_API_URL": "",
@@ -303,18 +304,20 @@ def trainer(s: Settings, m: Mode) -> Service:
 def budget_sidecar(s: Settings, m: Mode) -> Service:
     argv = [
         *m.program("python"), "-m", "budget_sidecar",
-        "--provider", s["PROVIDER"], "--instance-id", s["INSTANCE_ID"],
+        # Several hosts: INSTANCE_IDS (below: the last --instance-id counts) lists every host's id,
+        # INSTANCE_ID stays this host's own, for its watchdog; a static rate is counted NNODES times.
+        "--provider", s["PROVIDER"], "--instance-id", s["INSTANCE_ID"], "--nodes", s["NNODES"],
         "--poll-seconds", s["BUDGET_POLL_SECONDS"], "--output", m.ws("budget.json"),
         "--cap-usd", s["BUDGET_CAP_USD"], "--alert-usd", s["BUDGET_ALERT_USD"],
         "--host", m.bind_host, "--port", str(m.port("budget-sidecar", s)),
     ]
     # Optional flags only when their variable is set (compose: a shell's ${VAR:+...}).
-    for var, flag in (("PROVIDER_API_URL", "--api-url"), ("PLANNED_HOURS", "--planned-hours"),
+    for var, flag in (("INSTANCE_IDS", "--instance-id"), ("PROVIDER_API_URL", "--api-url"), ("PLANNED_HOURS", "--planned-hours"),
                       ("RATE_USD_PER_HR", "--rate-usd-per-hr")):
         if s[var]:
             argv += [flag, s[var]]
     env = {k: s[k] for k in ("LAMBDA_API_KEY", "RUNPOD_API_KEY", "PROVIDER", "PROVIDER_API_URL", "INSTANCE_ID",
-                             "BUDGET_POLL_SECONDS", "BUDGET_CAP_USD", "BUDGET_ALERT_USD", "PLANNED_HOURS",
+                             "INSTANCE_IDS", "NNODES", "BUDGET_POLL_SECONDS", "BUDGET_CAP_USD", "BUDGET_ALERT_USD", "PLANNED_HOURS",
                              "RATE_USD_PER_HR")}
     return Service("budget-sidecar", argv, env, port=m.port("budget-sidecar", s), health_path="/healthz",
                    image_env={"PYTHONUNBUFFERED": "1"})

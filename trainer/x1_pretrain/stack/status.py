@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from x1_common import restarts
 from x1_common.contracts import Heartbeat
 from x1_pretrain.stack import services as S
 from x1_pretrain.stack.process import http_status
@@ -115,7 +116,19 @@ def collect_status(ws: Workspace) -> dict[str, Any]:
         "at_a_glance": at_a_glance(trainer, budget, last_step_line(ws.log("trainer"), pattern=BUDGET_LINE), state,
                                    events[-1] if events else None),
         "forecast": forecast[1] if (forecast := last_step_line(ws.log("trainer"), pattern=FORECAST_LINE)) else None,
+        "restarts": run_restarts(ws, events),
     }
+
+
+def run_restarts(ws: Workspace, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each restart with its downtime, as the manifest will have it (x1_common.restarts): the
+    trainer's start records in trainer.log joined with the watchdog's events."""
+    try:
+        with open(ws.log("trainer"), encoding="utf-8", errors="replace") as f:
+            starts = restarts.starts_in_log(f)
+    except OSError:
+        starts = []
+    return restarts.restarts(starts, events)
 
 
 def describe_decision(e: dict[str, Any] | None) -> str:
@@ -150,8 +163,8 @@ def render_status(st: dict[str, Any]) -> str:
         if not st["running"]:
             break
         state = svc["health"] or ("running" if svc["running"] else "NOT RUNNING")
-        restarts = f", restarted {svc['restarts']}x" if svc["restarts"] else ""
-        lines.append(f"  {name:15s} {state:24s} pid {svc['pid']}{restarts}  {svc['url'] or ''}")
+        restarted = f", restarted {svc['restarts']}x" if svc["restarts"] else ""
+        lines.append(f"  {name:15s} {state:24s} pid {svc['pid']}{restarted}  {svc['url'] or ''}")
     g = st.get("at_a_glance") or {}
     if g:
         def money(v: Any) -> str:
@@ -182,6 +195,7 @@ def render_status(st: dict[str, Any]) -> str:
                      f"${b['rate_usd_per_hr']:g}/h, {b['provider']}, reading {b['last_update_utc']}{stale})")
     else:
         lines.append("  spend: no budget reading yet")
+    lines += [f"  {restarts.describe(r)}" for r in st.get("restarts", [])]
     w = st["watchdog"]
     lines.append(f"  watchdog's last decision: {describe_decision(w['last_event'])}")
     if w["final"]:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from x1_common import restarts
 from x1_common.contracts import (
     MLFLOW_CLIPPED,
     MLFLOW_GRAD_NORM,
@@ -60,11 +61,13 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.at: float | None = None  # unix time of the first signal: a restart's downtime counts from it
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
+            self.at = time.time()
             log.warning("%s received: finishing with an emergency checkpoint", signal.Signals(signum).name)
         self.signum = signum
 
@@ -300,21 +303,24 @@ def process_started_at() -> float:
 
 def log_first_step(run: Run, step: int) -> None:
     """What a start costs, as numbers: process start -> this process's first step done, and on a
-    resume the downtime since the previous process's last heartbeat (for a preemption: its exit,
-    after the emergency checkpoint; for a crash or a kill: its last sign of life)."""
+    resume how the previous process stopped (x1_common.restarts: the downtime's definition)."""
     run.first_step_logged = True
     now = time.time()
-    metrics = {"startup_seconds": now - process_started_at(), "first_step_unix": now}
     previous = run.previous_heartbeat
     # A container restarted by its host often has the same pid: a beat older than this process is not its own.
     resumed = run.state.restarts > 0 and previous is not None and (previous.pid != os.getpid()
                                                                    or previous.time < process_started_at())
-    if resumed:
-        metrics["downtime_seconds"] = now - previous.time
+    stopped = restarts.previous_stop(previous.phase, previous.time, previous.step, previous.signal_time) \
+        if resumed else None
+    start = restarts.Start(step, now, now - process_started_at(), stopped)
+    metrics = {"startup_seconds": start.startup_seconds, "first_step_unix": now}
+    if stopped is not None:
+        metrics.update(stopped_unix=stopped.unix, stopped_by=float(restarts.STOPPED_BY.index(stopped.by)),
+                       stopped_step=float(stopped.step))
+        if stopped.by != "last heartbeat":  # the figure every report shows; a kill's comes from the watchdog's exit
+            metrics["downtime_seconds"] = restarts.downtime_seconds(stopped, now)
     run.sink.log(step, metrics)
-    log.info("first step of this process (step %d) done %.1f s after it started%s", step, metrics["startup_seconds"],
-             f"; {metrics['downtime_seconds']:.1f} s since the previous process's last heartbeat "
-             f"(phase {previous.phase})" if resumed else "")
+    log.info(restarts.start_line(start))
     if (tuned := cublaslt.summary()) is not None:
         log.info(tuned)
 

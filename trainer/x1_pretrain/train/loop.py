@@ -285,7 +285,8 @@ def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
     # RunPod spot gives 5 s after SIGTERM: the checkpoint comes first, the metrics get what is left
     # (anything unsent is spooled to disk and sent by the next start).
     run.sink.close(MLFLOW_STATUS[int(code)], timeout=3.0 if code == ExitCode.PREEMPTED else 30.0)
-    run.sink.heartbeat.beat(step, PHASE_STOPPED)  # the exit's time: the next start measures its downtime from it
+    # The stop record the next start measures its downtime from: the SIGTERM's time, else this exit's.
+    run.sink.heartbeat.beat(step, PHASE_STOPPED, signal_time=run.stop.at)
     return int(code)
 
 

@@ -296,10 +296,11 @@ class Heartbeat:
         self.path = Path(path)
         self.node = node or {}
 
-    def beat(self, step: int, phase: str) -> None:
+    def beat(self, step: int, phase: str, signal_time: float | None = None) -> None:
+        extra = {"signal_time": signal_time} if signal_time is not None else {}
         try:
             write_json_atomic(self.path, {"step": step, "time": time.time(), "pid": os.getpid(), "phase": phase,
-                                          **self.node}, durable=False)
+                                          **extra, **self.node}, durable=False)
         except OSError as e:
             log.warning("cannot write heartbeat %s: %s", self.path, e)
 
@@ -366,7 +367,7 @@ class _NullProm(_Nothing):
 
 
 class _NullHeartbeat:
-    def beat(self, step: int, phase: str) -> None:
+    def beat(self, step: int, phase: str, signal_time: float | None = None) -> None:
         pass
 
     def previous(self) -> None:
