@@ -498,8 +498,13 @@ def render_status(rec: InstanceRecord, inst: Instance | None, st: dict[str, Any]
         else:
             lines.append(f"training  {'step ' + str(step) if step is not None else 'no step logged yet'}")
         b = st.get("budget") or {}
+        glance = st.get("at_a_glance") or {}
         if b.get("spent_usd") is not None:
-            lines.append(f"spend     ${b['spent_usd']:.2f} so far, ${b.get('projected_total_usd') or 0:.2f} projected at "
+            # `stack status`'s own projection (the trainer's measured pace; the spend itself once the
+            # run has ended), so both commands show one number
+            projected = glance.get("projected_at_finish_usd")
+            projected = b.get("projected_total_usd") if projected is None else projected
+            lines.append(f"spend     ${b['spent_usd']:.2f} so far, ${projected or 0:.2f} projected at "
                          f"finish, against the ${b.get('cap_usd') or 0:g} cap" + (" (reading STALE)" if b.get("stale") else ""))
         else:
             lines.append("spend     no budget reading yet")
