@@ -399,7 +399,6 @@ def flags() -> list[CliFlag]:
     return found
 
 
-
 # The trainer's flags of docs/DESIGN.md §3 -> config fields (the train command applies them after
 # --set): every field marked with `flag`, dest -> dotted path ("data_dir" -> "data.dir").
 CLI_FLAGS = {f.dest: f.path for f in flags()}

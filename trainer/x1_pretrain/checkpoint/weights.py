@@ -94,7 +94,6 @@ def read_weights(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],
     return state, cfg, metadata
 
 
-
 def state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str = "the file") -> str:
     """What keeps `state` from loading into `model`, each tensor named with both shapes (as
     hf_export names them): "tok_emb.weight: shape (512, 64) in the file, (512, 128) in this model"."""

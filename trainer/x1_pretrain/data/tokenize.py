@@ -67,8 +67,6 @@ WORK_DIR = ".tokenize-work"
 # Worker processes
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # The work folder: settings, finished shards, a lock
 

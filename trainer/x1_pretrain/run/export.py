@@ -178,7 +178,6 @@ def _segments(values: Series, wall: Series, bands: list[tuple[float, float, str]
     return [seg for seg in segments if seg]
 
 
-
 @dataclass
 class Inputs:
     ckpt_dir: Path

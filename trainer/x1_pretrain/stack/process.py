@@ -168,7 +168,6 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-
 @contextlib.contextmanager
 def signals_ignored() -> Iterator[None]:
     """SIGINT and SIGTERM ignored inside (main thread only: elsewhere Python cannot set handlers)."""

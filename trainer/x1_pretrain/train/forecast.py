@@ -333,7 +333,6 @@ def forecast(curve: Curve, schedule: Schedule, priors: Priors, step: int) -> For
 # The trainer's side: the curve as the run goes, a forecast at each eval, the band's early warning
 
 
-
 @dataclass
 class ForecastWatch:
     """What the loop calls: `observe` at every step, `at_eval` at every eval.
@@ -452,7 +451,6 @@ def forecast_summary(history: list[dict[str, float]], total_steps: int | None, f
             at[key].update(error=round(h["value"] - final, 4), held=h["low"] <= final <= h["high"])
     return {"law": LAW, "interval": "calibrated 90% (docs/FORECAST.md)", "history": history, "at": at,
             "final_val_loss": final}
-
 
 
 # ---------------------------------------------------------------------------------------------
