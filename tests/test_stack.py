@@ -190,7 +190,7 @@ import sys
 
 class MissingCudaRuntime(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "x1_pretrain.train":
+        if name == "x1_pretrain.train.main":  # the trainer program (the stack imports x1_pretrain.train.lease)
             raise ImportError("libcudart.so.13: cannot open shared object file: No such file or directory")
         return None
 
