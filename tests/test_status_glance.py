@@ -47,9 +47,10 @@ def test_status_shows_percent_done_eta_spend_projection_restarts_and_the_last_de
             "pace)), restarts 2; last decision: relaunch #2 after preempted") in line
 
 
-def test_a_stopped_run_shows_no_eta(tmp_path):
+def test_a_stopped_run_shows_no_eta_and_its_spend_as_the_projection(tmp_path):
     st = collect_status(workspace(tmp_path, final={"exit_code": 76, "reason": "budget-stop", "time": "t"}))
     assert st["at_a_glance"]["eta_hours"] is None
+    assert st["at_a_glance"]["projected_at_finish_usd"] == 10.5  # not the trainer's last $24.66 nor the sidecar's
     assert "ETA: none (stopped)" in render_status(st)
 
 

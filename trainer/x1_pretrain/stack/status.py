@@ -65,7 +65,9 @@ def at_a_glance(trainer: dict[str, Any], budget: dict[str, Any], judged: re.Matc
         "percent_done": round(100.0 * step / total, 1) if step is not None and total else None,
         "eta_hours": None if final else eta_h,
         "spent_usd": budget.get("spent_usd"),
-        "projected_at_finish_usd": float(judged[2]) if judged else budget.get("projected_total_usd"),
+        # once the run has ended its spend is final; the sidecar's figure would still count planned hours
+        "projected_at_finish_usd": (budget.get("spent_usd") if final else float(judged[2]) if judged
+                                    else budget.get("projected_total_usd")),
         "projection_source": "the trainer's (its measured pace)" if judged else "the sidecar's" if budget else None,
         "restarts": state.get("restarts_total"),
         "last_decision": describe_decision(last_event),

@@ -35,7 +35,7 @@ from x1_pretrain.config import ConfigError, RunConfig
 from x1_pretrain.data import loader as data_mod
 from x1_pretrain.data.loader import split_window
 from x1_pretrain.model.transformer import Bf16Weights, Transformer, attention_backend, param_groups
-from x1_pretrain.ops import float8, levers
+from x1_pretrain.ops import cublaslt, float8, levers
 from x1_pretrain.ops.float8 import unsupported
 from x1_pretrain.ops.kernels import addmm_into_fp32
 from x1_pretrain.ops.losses import fused_available
@@ -592,7 +592,10 @@ def bf16_weights(cfg: RunConfig, d: D.Dist, model: Transformer) -> Bf16Weights |
     accumulate = cfg.train.grad_accumulation == "in-matmul"
     how = ""
     if accumulate:
-        how = ("; weight gradients added in fp32 by their matmuls" if addmm_into_fp32(d.device) else
+        # kernels.wgrad_accumulate's order: the tuned cuBLASLt matmul first, then PyTorch's fp32 addmm
+        tuned = cfg.train.cublaslt != "off" and d.device.type == "cuda" and cublaslt.available()
+        how = ("; weight gradients added in fp32 by their matmuls (cuBLASLt)" if tuned else
+               "; weight gradients added in fp32 by their matmuls" if addmm_into_fp32(d.device) else
                "; weight gradients summed in fp32 buffers (this torch's matmul cannot add into fp32 itself: "
                "each product in bf16, then an add, as autograd's accumulation does)")
     log.info("bf16 weights: cast once per optimizer step, shared by its %d micro-steps%s", cfg.grad_accum(d.world_size), how)
