@@ -265,7 +265,7 @@ def test_prelaunch_judges_the_first_reading(budget_file, spent, rate, projected,
     assert (d.action, d.exit_code) == (action, code) and words in d.reason
 
 
-def test_the_plan_prints_the_seed_sentence_and_refuses_a_bad_one(budget_file, caplog) -> None:
+def test_the_plan_prints_the_pre_launch_sentence_and_refuses_a_bad_one(budget_file, caplog) -> None:
     write_budget(budget_file, spent=0.5, projected=26.4, updated=time.time())
     good = BudgetConfig(cap_usd=35.0, curr_cost_uri=str(budget_file), planned_rate_usd_per_hr=1.10, planned_hours=24)
     with caplog.at_level(logging.INFO, logger="x1.budget_guard"):

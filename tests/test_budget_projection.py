@@ -143,7 +143,7 @@ def test_measured_eval_checkpoint_and_restart_overheads_are_added() -> None:
 # --- the guard judges the larger projection -------------------------------------------------------
 
 
-def test_the_seeds_84000_steps_at_plans_a100_figure_are_refused_at_launch_with_the_steps_that_fit(tmp_path) -> None:
+def test_the_labs_84000_steps_at_plans_a100_figure_are_refused_at_launch_with_the_steps_that_fit(tmp_path) -> None:
     path, clock = tmp_path / "budget.json", Clock()
     write_budget(path, spent=0.5)  # the sidecar without planned hours: its projection is the spend
     guard = guard_for(path, clock)

@@ -19,7 +19,7 @@ def test_every_shipped_config_loads_and_validates(path):
     assert len(cfg.config_hash()) == 64
 
 
-def test_seed_config_has_the_seed_tables():
+def test_the_labs_config_has_its_tables():
     cfg = load_config(CONFIGS / "x1-50m-a100.yaml")
     m, o, t = cfg.model, cfg.optim, cfg.train
     assert (m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.d_ff, m.seq_len, m.vocab_size) == (8, 768, 12, 4, 2048, 1024, 50257)

@@ -18,7 +18,7 @@ def tiny(**sets):
     return load_config(TINY_CONFIG, [f"model.{k}={v}" for k, v in sets.items()]).model
 
 
-def test_50m_config_has_the_seeds_sizes_and_flops():
+def test_50m_config_has_the_labs_sizes_and_flops():
     cfg = load_config(CONFIGS / "x1-50m-a100.yaml").model
     counts = param_counts(cfg)
     assert counts["non_embedding"] == pytest.approx(50.3e6, rel=0.01)

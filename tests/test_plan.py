@@ -6,12 +6,12 @@ import json
 
 from conftest import CONFIGS, run_module
 
-SEED = ["--config", str(CONFIGS / "x1-50m-a100.yaml"), "--gpu", "a100-80gb", "--provider", "lambda",
+LAB_RUN = ["--config", str(CONFIGS / "x1-50m-a100.yaml"), "--gpu", "a100-80gb", "--provider", "lambda",
         "--hours", "24", "--budget-usd", "35"]
 
 
-def test_plan_prints_the_seed_sentence():
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10")
+def test_plan_prints_the_pre_launch_sentence():
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == (
         "This will launch 1× A100 80GB on-demand on Lambda at $1.10/h, run ~24 h including setup = $26.40. "
@@ -22,13 +22,13 @@ def test_plan_prints_the_seed_sentence():
 
 def test_plan_states_when_the_forecast_first_judges_the_run():
     # The 50M config: warm-up 1000, evals every 1800 steps: the second eval is the first with enough points.
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10")
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("final-loss forecast:"))
     assert "first at step 3,600" in line and "--forecast-band (default 3.20-3.50)" in line and "exit 80" in line
 
 
 def test_plan_refuses_with_78_above_the_max_price():
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.50")
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.50")
     assert proc.returncode == 78
     assert "Refused" in proc.stdout and "max price $1.40/h" in proc.stdout
 
@@ -36,7 +36,7 @@ def test_plan_refuses_with_78_above_the_max_price():
 def test_plan_proposes_the_steps_the_budget_fits_and_bills_those_not_the_hours_asked():
     # $1.30/h for 24 h is $31.20, plus $8 of other lines: over $35. The plan proposes fewer steps,
     # and its sentence bills what those steps take, not 24 h x the price.
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.30", "--restart-buffer-usd", "5",
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.30", "--restart-buffer-usd", "5",
                       "--storage-usd", "2", "--egress-usd", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
@@ -46,7 +46,7 @@ def test_plan_proposes_the_steps_the_budget_fits_and_bills_those_not_the_hours_a
 
 
 def test_plan_refuses_when_no_step_fits_the_budget():
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.30", "--storage-usd", "34.5", "--json")
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.30", "--storage-usd", "34.5", "--json")
     assert proc.returncode == 78
     plan = json.loads(proc.stdout)
     assert plan["verdict"] == "refuse" and "no step fits the budget" in plan["reasons"][0]
@@ -63,14 +63,14 @@ def test_plan_off_the_default_path_uses_the_gpus_own_ceiling_and_advice_for_the_
     reason = json.loads(high.stdout)["reasons"][0]
     assert "over the max price $4.43/h for the H100 80GB SXM" in reason and "RunPod community" not in reason
     assert "python -m budget_sidecar.price --provider runpod --wait" in reason
-    lam = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.50", "--json")
+    lam = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.50", "--json")
     assert "RunPod interruptible pod" in json.loads(lam.stdout)["reasons"][0]
-    spot = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10", "--market", "spot")
+    spot = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10", "--market", "spot")
     assert spot.returncode == 2 and "Lambda sells on-demand instances" in spot.stderr
 
 
 def test_plan_says_which_loss_to_believe_against_the_dod_band():
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10", "--json")
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10", "--json")
     plan = json.loads(proc.stdout)
     assert plan["dod_band"] == [3.2, 3.5] and plan["predicted_val_loss"] < 3.2
     assert f"fit's {plan['predicted_val_loss']:.2f} is below it" in plan["band_note"]
@@ -78,7 +78,7 @@ def test_plan_says_which_loss_to_believe_against_the_dod_band():
 
 
 def test_plan_json_has_the_numbers_and_only_json_on_stdout():
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10", "--json")
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10", "--json")
     assert proc.returncode == 0
     plan = json.loads(proc.stdout)
     for key in ["params_non_embedding", "params_total", "flops_per_token", "tokens_per_sec", "hours", "tokens",
@@ -95,12 +95,12 @@ def test_plan_json_has_the_numbers_and_only_json_on_stdout():
 
 
 def test_plan_uses_given_throughput():
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "1.10", "--tokens-per-sec", "250000", "--json")
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10", "--tokens-per-sec", "250000", "--json")
     plan = json.loads(proc.stdout)
     assert plan["tokens_per_sec"] == 250000
     assert abs(plan["tokens"] - 250000 * (24 - 0.75) * 3600) < 1
 
 
 def test_plan_rejects_nonsense_numbers_with_2():
-    proc = run_module("x1_pretrain.plan", *SEED, "--price-usd-per-hr", "-1")
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "-1")
     assert proc.returncode == 2 and "--price-usd-per-hr" in proc.stderr

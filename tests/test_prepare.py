@@ -117,7 +117,7 @@ def test_max_shards_limits_the_download_and_the_check(tmp_path):
     assert len(FINEWEB_EDU.shards(tmp_path)) == 2
 
 
-def test_fewer_than_the_seeds_96_warns_but_trusts_the_hub_listing(tmp_path, capsys):
+def test_fewer_than_the_labs_96_warns_but_trusts_the_hub_listing(tmp_path, capsys):
     assert run(tmp_path, hub=FakeHub(shards=14)) == 0
     assert "fewer than the lab's ~96" in capsys.readouterr().err
 
@@ -140,7 +140,7 @@ def test_check_shards(found, listed, max_shards, ok, warns):
     assert (check.warning is not None) is warns
 
 
-def test_pile_has_no_seed_count_to_warn_about():
+def test_pile_has_no_lab_count_to_warn_about():
     assert check_shards(1, 1, None, PILE_CC.seed_shards).warning is None
 
 

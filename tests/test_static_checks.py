@@ -326,7 +326,7 @@ def with_env(raw_compose, **overrides: str) -> dict:
     return interpolate_all(raw_compose, {**env_example(), **overrides})
 
 
-def test_trainer_command_is_the_seeds_and_the_trainer_accepts_it(compose):
+def test_trainer_command_is_the_labs_and_the_trainer_accepts_it(compose):
     command = compose["services"]["trainer"]["command"]
     assert command[0] == "x1-train"
     for flag in ("--data-dir=/workspace/data/tokenized", "--ckpt-dir=/workspace/checkpoints",
@@ -845,7 +845,7 @@ def test_grafana_dashboard_parses_and_queries_only_exported_metrics():
         assert not unknown, f"panel {title!r} queries {sorted(unknown)}, which no service exports"
 
 
-def test_grafana_dashboard_shows_what_spec_asks_for():
+def test_grafana_dashboard_shows_what_a_paid_run_needs():
     queried = set().union(*(metric_names(e) for _, e in dashboard_exprs(DASHBOARD)))
     assert {
         C.M_TRAIN_TOKENS_PER_SECOND, C.M_TRAIN_MFU, C.M_TRAIN_LOSS, C.M_TRAIN_VAL_LOSS,

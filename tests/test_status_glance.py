@@ -43,8 +43,8 @@ def test_status_shows_percent_done_eta_spend_projection_restarts_and_the_last_de
     assert glance["spent_usd"] == 10.5 and glance["projected_at_finish_usd"] == 24.66 and glance["restarts"] == 2
     assert glance["last_decision"].startswith("relaunch #2 after preempted (exit 75)")
     line = next(ln for ln in render_status(st).splitlines() if "at a glance" in ln)
-    assert ("60.0% done, ETA 11.70 h, spent $10.50, projected $24.66 at the finish (the trainer's (its measured "
-            "pace)), restarts 2; last decision: relaunch #2 after preempted") in line
+    assert ("60.0% done, ETA 11.70 h, spent $10.50, projected $24.66 at the finish (the trainer's, at its measured "
+            "pace), restarts 2; last decision: relaunch #2 after preempted") in line
 
 
 def test_a_stopped_run_shows_no_eta_and_its_spend_as_the_projection(tmp_path):

@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"), default=DEFAULT_BAND,
                    help="final val loss band (default 3.20 3.50; a short or tiny run uses its own)")
     p.add_argument("--cap-usd", type=float, metavar="USD",
-                   help="spend cap (default: the cap recorded in the manifest or budget.json, else the spec's $35)")
+                   help="spend cap (default: the cap recorded in the manifest or budget.json, else the lab's $35)")
     p.add_argument("--termination-pending", action="store_true",
                    help="run on the instance before its terminate: a failing check 6 is PENDING (exit 3 when it is "
                         "the only one not passing)")

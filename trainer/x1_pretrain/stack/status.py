@@ -68,7 +68,7 @@ def at_a_glance(trainer: dict[str, Any], budget: dict[str, Any], judged: re.Matc
         # once the run has ended its spend is final; the sidecar's figure would still count planned hours
         "projected_at_finish_usd": (budget.get("spent_usd") if final else float(judged[2]) if judged
                                     else budget.get("projected_total_usd")),
-        "projection_source": "the trainer's (its measured pace)" if judged else "the sidecar's" if budget else None,
+        "projection_source": "the trainer's, at its measured pace" if judged else "the sidecar's" if budget else None,
         "restarts": state.get("restarts_total"),
         "last_decision": describe_decision(last_event),
     }
