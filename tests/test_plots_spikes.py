@@ -25,3 +25,25 @@ def test_gradnorm_curve_includes_injected_and_flagged_spike_steps_grad_norms(tmp
     assert 17.5 in ys and 9.0 in ys
     curve_x = max((x for x, _ in lines), key=len)
     assert curve_x == sorted(curve_x) and 43 in curve_x  # one curve through the spike, in step order
+
+
+def test_the_loss_curve_draws_each_evals_forecast_and_the_last_one_with_its_interval(tmp_path, monkeypatch) -> None:
+    drawn = {}
+    real_save = plots._save
+
+    def keep(fig, path):
+        ax = fig.axes[0]
+        drawn["lines"] = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+        drawn["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    forecast = [{"step": 100, "value": 3.9, "low": 3.6, "high": 4.2},
+                {"step": 200, "value": 3.6, "low": 3.45, "high": 3.75}]
+    plots.loss_curve(tmp_path / "loss.png", [(s, 4.0 - s / 1000) for s in range(10, 210, 10)], [(100, 3.95), (200, 3.7)],
+                     band=(3.2, 3.5), predicted=None, title="t", forecast=forecast)
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    steps, values = drawn["lines"]["forecast of the final val loss, as made at each eval"]
+    assert steps == [100, 200] and values == [3.9, 3.6]
+    assert "its calibrated interval" in drawn["legend"]
+    assert "last forecast: 3.600 [3.450, 3.750]" in drawn["legend"]

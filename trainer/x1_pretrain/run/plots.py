@@ -27,7 +27,7 @@ DPI = 110
 
 
 @dataclass(frozen=True)
-class SeedPoint:
+class LabPoint:
     """One row of the lab's "expected loss curve" table (50M config, 1x A100, ~24 h)."""
 
     hour: float
@@ -37,13 +37,13 @@ class SeedPoint:
     val_loss: float | None
 
 
-SEED_EXPECTED = (
-    SeedPoint(0, 0, 0.0, 10.8, None),
-    SeedPoint(1, 3_500, 1.8e9, 5.1, 5.2),
-    SeedPoint(6, 21_000, 11e9, 3.9, 3.95),
-    SeedPoint(12, 42_000, 21e9, 3.5, 3.55),
-    SeedPoint(18, 63_000, 32e9, 3.4, 3.42),
-    SeedPoint(24, 84_000, 43e9, 3.32, 3.35),
+LAB_EXPECTED = (
+    LabPoint(0, 0, 0.0, 10.8, None),
+    LabPoint(1, 3_500, 1.8e9, 5.1, 5.2),
+    LabPoint(6, 21_000, 11e9, 3.9, 3.95),
+    LabPoint(12, 42_000, 21e9, 3.5, 3.55),
+    LabPoint(18, 63_000, 32e9, 3.4, 3.42),
+    LabPoint(24, 84_000, 43e9, 3.32, 3.35),
 )
 
 
@@ -85,14 +85,14 @@ def loss_curve(
     if val:
         ax.plot(*_xy(val), "o-", color="tab:green", ms=4, lw=1.2, label="val loss")
     last_step = max([s for s, _ in train] + [s for s, _ in val] + [0])
-    seed = [p for p in SEED_EXPECTED if p.step <= last_step]
-    if seed:
+    lab = [p for p in LAB_EXPECTED if p.step <= last_step]
+    if lab:
         # The lab's table is for the 50M run: on a short or tiny run only its first rows overlap.
-        ax.plot([p.step for p in seed], [p.train_loss for p in seed], "x", color="black", ms=8, mew=2,
+        ax.plot([p.step for p in lab], [p.train_loss for p in lab], "x", color="black", ms=8, mew=2,
                 label="the lab's expectation for the 50M run: train")
-        seed_val = [p for p in seed if p.val_loss is not None]
-        if seed_val:
-            ax.plot([p.step for p in seed_val], [p.val_loss for p in seed_val], "o", mfc="none", color="black",
+        lab_val = [p for p in lab if p.val_loss is not None]
+        if lab_val:
+            ax.plot([p.step for p in lab_val], [p.val_loss for p in lab_val], "o", mfc="none", color="black",
                     ms=8, label="the lab's expectation for the 50M run: val")
     ax.axhspan(band[0], band[1], color="tab:green", alpha=0.12, lw=0,
                label=f"final val loss band [{band[0]:.2f}, {band[1]:.2f}]")
