@@ -97,7 +97,8 @@ class Cluster:
         return container
 
     def watchdog(self, name: str, records: str, *opts: str) -> str:
-        """Start node `name`'s watchdog: `python -m x1_watchdog --mode docker` from the node's image, in
+        """Start node `name`'s watchdog: `python -m x1_watchdog --mode docker` from the watchdog image
+        built beside the node's (`<node image>-watchdog`: the Docker SDK is there, not in the trainer), in
         a container of its own with the Engine's socket, as compose.yaml's watchdog service runs beside
         each host's trainer. It adopts the running node container, relaunches it after a crash or a
         kill, and exits with the final code. `records`: the prefix (under /shared) of its heartbeat
@@ -108,7 +109,7 @@ class Cluster:
         gid = str(os.stat("/var/run/docker.sock").st_gid)
         run(["docker", "run", "-d", "--name", container, "--network", "none", "--label", f"{PREFIX}=1",
              "--group-add", gid, "-v", "/var/run/docker.sock:/var/run/docker.sock", "-v", f"{self.volume}:{SHARED}",
-             "-e", "PYTHONUNBUFFERED=1", self.image, "python", "-m", "x1_watchdog", "--mode", "docker",
+             "-e", "PYTHONUNBUFFERED=1", f"{self.image}-watchdog", "python", "-m", "x1_watchdog", "--mode", "docker",
              "--container", self.nodes[name], "--heartbeat-file", f"{records}heartbeat.json",
              "--events-file", f"{records}watchdog-events.jsonl", "--state-file", f"{records}watchdog-state.json",
              "--port", "0", *opts], timeout=120)

@@ -64,7 +64,7 @@ def node_image(multinode_engine: None) -> Iterator[str]:
     try:
         yield image
     finally:
-        run(["docker", "image", "rm", "-f", image], check=False)
+        run(["docker", "image", "rm", "-f", image, f"{image}-watchdog"], check=False)
 
 
 @pytest.fixture(scope="session")

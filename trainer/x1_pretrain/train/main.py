@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ from x1_pretrain.data.loader import DataError
 from x1_pretrain.ops import levers
 from x1_pretrain.train import distributed as D
 from x1_pretrain.train.budget_sim import dry_run
-from x1_pretrain.train.components import DataOrConfigError, StopSignal
+from x1_pretrain.train.components import DataOrConfigError, Run, StopSignal
 from x1_pretrain.train.loop import train_loop
 from x1_pretrain.train.parser import build_parser, config_from_args, credentials_out_of_config
 from x1_pretrain.train.setup import setup
@@ -40,6 +42,24 @@ def write_run_folder(mlflow_uri: str, run_dir: Path, run_id: str | None, ckpt_di
 
 
 def main(argv: list[str] | None = None) -> int:
+    built: list[Run] = []
+    code = run_trainer(argv, built)
+    if built and built[0].dist.enabled:
+        # Leave here, with the DDP model still referenced. Freeing it frees its Reducer, whose gloo
+        # process group joins its worker threads while this thread holds the GIL; a worker still
+        # releasing the last all-reduce's tensors needs the GIL: a deadlock after the run has
+        # finished (seen under load: the final weights written, the process never exiting). Every
+        # file is durable by now; the exit handlers (the lease's release) still run.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        os._exit(code)
+    return code
+
+
+def run_trainer(argv: list[str] | None, built: list[Run]) -> int:
+    """The trainer's command; `built` receives the run once it is set up."""
     setup_logging()
     args = build_parser().parse_args(argv)
     if (too_old := levers.floor_problem()) is not None:  # before any work: nothing read, nothing written
@@ -78,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if isinstance(run, int):
             return run
+        built.append(run)
         if stop.requested:  # SIGTERM during setup: nothing new to save
             return ExitCode.PREEMPTED
         code = train_loop(run)
