@@ -94,6 +94,9 @@ class TrainerState:
     # Each change of train.total_steps on a resume (train.replan): step, old and new totals, when,
     # why, and the cosine's progress there (the schedule after it is re-targeted from that step).
     replans: list[dict[str, Any]] = field(default_factory=list)
+    # The band the run is judged on (x1_common.scaling.DeclaredBand), fixed before its first step:
+    # a resume keeps it whatever its flags say.
+    declared_band: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -128,7 +131,7 @@ _STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "mlflow_run_id": (str, type(None)), "world_size": (int,), "micro_batch_size": (int,), "rng": (dict,),
     "spike": (dict,), "forecast": (dict,), "nonfinite_in_row": (int,), "train_seconds": (int, float),
     "run_started": (int, float), "restarts": (int,), "created_utc": (str,), "replans": (list,),
-    "run_id": (str,), "corpus": (dict,), "changes": (list,),
+    "run_id": (str,), "corpus": (dict,), "changes": (list,), "declared_band": (dict,),
 }
 _STATE_REQUIRED = ("step", "tokens_seen", "config_hash", "config", "sampler")
 _STATE_COUNTS = ("step", "tokens_seen", "world_size", "micro_batch_size", "nonfinite_in_row", "train_seconds",

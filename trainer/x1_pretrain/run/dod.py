@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -29,10 +30,11 @@ from typing import Any
 
 from x1_common.contracts import ExitCode, format_utc, utc_now
 from x1_common.fsutil import sha256_file, write_json_atomic
+from x1_common.scaling import BAND_SOURCES, LAB_BAND, DeclaredBand, declare_band
 from x1_pretrain.run.record import ExportError
 from x1_pretrain.train.forecast_rule import summary_text
 
-DEFAULT_BAND = (3.20, 3.50)
+DEFAULT_BAND = LAB_BAND  # the lab's, for a run that declared no band of its own
 LAB_CAP_USD = 35.0
 REQUIRED_VERSIONS = ("torch", "flash-attn", "transformers", "numpy")
 EXIT_FAILED = 1
@@ -92,9 +94,21 @@ def check_manifest(manifest: dict[str, Any] | None, problem: str) -> Check:
                  f"{c.get('provider', '?')}, spent_usd {'null (see check 4)' if spent is None else spent}")
 
 
-def check_val_loss(manifest: dict[str, Any] | None, band: tuple[float, float]) -> Check:
+def judged_band(manifest: dict[str, Any] | None, flag: tuple[float, float] | None) -> tuple[DeclaredBand, str]:
+    """The band check 2 judges against: the run's `declared_band` (fixed before its first step),
+    else --band, else the lab's; and a note when --band was given but the run declared another."""
+    declared = DeclaredBand.from_dict((manifest or {}).get("declared_band"))
+    if declared is not None:
+        ignored = ""
+        if flag is not None and (flag[0], flag[1]) != (declared.low, declared.high):
+            ignored = f"; --band {flag[0]:g} {flag[1]:g} not used: the run declared its band before its first step"
+        return declared, ignored
+    return declare_band(None, flag), ""
+
+
+def check_val_loss(manifest: dict[str, Any] | None, band: DeclaredBand, note: str = "") -> Check:
     name = "final val loss in band"
-    lo, hi = band
+    lo, hi = band.low, band.high
     if manifest is None:
         return Check(2, name, False, "no manifest: no final val loss to check")
     val = manifest.get("final_val_loss")
@@ -104,11 +118,14 @@ def check_val_loss(manifest: dict[str, Any] | None, band: tuple[float, float]) -
     # Did the run match the predictions? Its own forecast at 10/25/50%, and the Chinchilla figure.
 
     chinchilla = manifest.get("predicted_val_loss")
-    beside = f"; {summary_text(manifest.get('forecast'))}" + (
+    lab = ""
+    if band.source != "lab":
+        a, b = LAB_BAND
+        lab = f"; the lab's [{a:.2f}, {b:.2f}]: {'inside' if a <= val <= b else 'below' if val < a else 'above'} it"
+    beside = f"{lab}; {summary_text(manifest.get('forecast'))}" + (
         f"; Chinchilla fit {chinchilla:.3f} (other corpus and tokenizer: a guide)" if isinstance(chinchilla, (int, float)) else "")
-    if lo <= val <= hi:
-        return Check(2, name, True, f"final val loss {val:.4f}{where} is within [{lo:.2f}, {hi:.2f}]{beside}")
-    return Check(2, name, False, f"final val loss {val:.4f}{where} is outside [{lo:.2f}, {hi:.2f}]{beside}")
+    verdict = "is within" if lo <= val <= hi else "is outside"
+    return Check(2, name, lo <= val <= hi, f"final val loss {val:.4f}{where} {verdict} {band.describe()}{beside}{note}")
 
 
 def check_weights(run_dir: Path, manifest: dict[str, Any] | None) -> Check:
@@ -268,11 +285,12 @@ def _png_problem(path: Path) -> str | None:
     return None
 
 
-def run_checks(run_dir: Path, band: tuple[float, float], cap_usd: float | None) -> list[Check]:
+def run_checks(run_dir: Path, flag_band: tuple[float, float] | None, cap_usd: float | None) -> list[Check]:
     manifest, problem = _load_manifest(run_dir)
+    band, note = judged_band(manifest, flag_band)
     return [
         check_manifest(manifest, problem),
-        check_val_loss(manifest, band),
+        check_val_loss(manifest, band, note),
         check_weights(run_dir, manifest),
         check_spend(run_dir, manifest, cap_usd),
         check_postmortem(run_dir),
@@ -314,9 +332,9 @@ def exit_code(checks: list[Check]) -> int:
     return EXIT_PENDING if all(c.ok or c.pending for c in checks) else EXIT_FAILED
 
 
-def report(run_dir: Path, checks: list[Check], band: tuple[float, float]) -> dict[str, Any]:
+def report(run_dir: Path, checks: list[Check], band: DeclaredBand) -> dict[str, Any]:
     return {"run_dir": str(run_dir.resolve()), "passed": all(c.ok for c in checks), "checked_utc": format_utc(utc_now()),
-            "band": list(band), "pending": [c.number for c in checks if c.pending],
+            "band": [band.low, band.high], "band_source": band.source, "pending": [c.number for c in checks if c.pending],
             "checks": [asdict(c) for c in checks]}
 
 
@@ -373,7 +391,9 @@ def recheck_termination(run_dir: Path) -> Check | None:
         return None
     check = check_termination(run_dir)
     checks = [check if c.number == TERMINATION_CHECK else c for c in checks]
-    write_json_atomic(path, {**report(run_dir, checks, tuple(saved.get("band", DEFAULT_BAND))),
+    lo, hi = saved.get("band", LAB_BAND)
+    band = DeclaredBand(float(lo), float(hi), saved.get("band_source") if saved.get("band_source") in BAND_SOURCES else "flag")
+    write_json_atomic(path, {**report(run_dir, checks, band),
                              "checked_utc": saved.get("checked_utc"), "rechecked_utc": {str(TERMINATION_CHECK): format_utc(utc_now())}})
     return check
 
@@ -387,8 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                "folder; 3 with --termination-pending: checks 1-5 pass and 6 is pending.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the folder export_run wrote")
-    p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"), default=DEFAULT_BAND,
-                   help="final val loss band (default 3.20 3.50; a short or tiny run uses its own)")
+    p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"),
+                   help="final val loss band for a run folder that records none (default: the run's declared_band, "
+                        "else the lab's 3.20 3.50)")
     p.add_argument("--cap-usd", type=float, metavar="USD",
                    help="spend cap (default: the cap recorded in the manifest or budget.json, else the lab's $35)")
     p.add_argument("--termination-pending", action="store_true",
@@ -400,12 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run_dir = Path(args.run_dir)
-    band = (float(args.band[0]), float(args.band[1]))
+    band = None if args.band is None else (float(args.band[0]), float(args.band[1]))
     if not run_dir.is_dir():
         print(f"dod: error: RUN_DIR {run_dir} is not a folder", file=sys.stderr)
         return int(ExitCode.USAGE)
-    if not band[0] < band[1]:
-        print(f"dod: error: --band {band[0]} {band[1]}: LO must be below HI", file=sys.stderr)
+    if band is not None and not (math.isfinite(band[0]) and math.isfinite(band[1]) and band[0] < band[1]):
+        print(f"dod: error: --band {band[0]} {band[1]}: LO must be below HI, both finite", file=sys.stderr)
         return int(ExitCode.USAGE)
     if args.cap_usd is not None and args.cap_usd <= 0:
         print(f"dod: error: --cap-usd {args.cap_usd}: must be above 0", file=sys.stderr)
@@ -420,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = [mark_pending(c) if c.number == TERMINATION_CHECK else c for c in checks]
     print(render(checks))
     try:
-        write_json_atomic(run_dir / "dod.json", report(run_dir, checks, band))
+        write_json_atomic(run_dir / "dod.json", report(run_dir, checks, judged_band(_load_manifest(run_dir)[0], band)[0]))
     except OSError as e:
         print(f"dod: warning: cannot write {run_dir / 'dod.json'}: {e}", file=sys.stderr)
     return exit_code(checks)

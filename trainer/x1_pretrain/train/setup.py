@@ -42,6 +42,9 @@ from x1_pretrain.ops.losses import fused_available
 from x1_pretrain.train import distributed as D
 from x1_pretrain.train import preflight, provenance
 from x1_pretrain.train.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
+from x1_pretrain.train.band import BandError, log_declared
+from x1_pretrain.train.band import declared as declared_band
+from x1_pretrain.train.band import tag as band_tag
 from x1_pretrain.train.budget_guard import BudgetGuard, Pace
 from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfigError, Run, StopSignal, Throughput
 from x1_pretrain.train.forecast import ForecastError, ForecastWatch
@@ -78,7 +81,8 @@ def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -
     return row.tokens_per_sec * world_size, f"plan's figure for {world_size}x {gpu} ({row.source})"
 
 
-def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool):
+def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool,
+                   band: tuple[float, float]):
     """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept."""
     alerts = None
     if is_main:
@@ -88,7 +92,7 @@ def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState
             raise ConfigError(f"alerts: {e}") from None
     try:
         return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
-                                     band=args.forecast_band, stop_outside=args.stop_when_forecast_misses_band,
+                                     band=band, stop_outside=args.stop_when_forecast_misses_band,
                                      alerts=alerts)
     except ForecastError as e:
         raise DataOrConfigError(f"forecast: {e}") from None
@@ -245,6 +249,8 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
     tags.update({f"x1.version.{k}": v for k, v in versions().items()})
     tags.update(extra_tags or {})
     tags["x1.run_id"] = state.run_id
+    if cfg.tracking.parent_run_id:  # MLflow's own tag: the run shows under its parent
+        tags["mlflow.parentRunId"] = cfg.tracking.parent_run_id
     if state.changes:  # what --allow-data-change / --allow-tracking-change let through, oldest first
         tags["x1.provenance_changes"] = json.dumps(state.changes, sort_keys=True)
         moved = [c for c in state.changes if c["what"] == "tracking"]
@@ -414,6 +420,13 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.model)
     state, loaded = starting_state(args, cfg, d, checkpointer, provenance.corpus_identity(cfg.data.dir, tokens.meta))
     replanned = loaded is not None and loaded.replanned
+    try:
+        kept = bool(state.declared_band)
+        band, state.declared_band = declared_band(state.declared_band, args.ladder, args.forecast_band, cfg, tokens.meta)
+    except BandError as e:
+        raise DataOrConfigError(str(e)) from None
+    if d.is_main:
+        log_declared(band, state.declared_band, kept)
     if state.step >= cfg.train.total_steps and loaded is None:
         raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
 
@@ -445,7 +458,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     optimizer = build_optimizer(cfg, raw, loaded, d.device)
 
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-                          extra_tags=lever_table.tags())
+                          extra_tags={**lever_table.tags(), **band_tag(state.declared_band)})
     previous_heartbeat = sink.heartbeat.previous() if d.is_main else None  # before this process's first beat
     sink.heartbeat.beat(state.step, PHASE_STARTUP)
     sink.prom.tokens.inc(state.tokens_seen)
@@ -494,7 +507,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
     run.previous_heartbeat = previous_heartbeat
-    run.forecast = forecast_watch(args, cfg, state, d.is_main)
+    run.forecast = forecast_watch(args, cfg, state, d.is_main, (band.low, band.high))
     run.bf16_weights = bf16_weights(cfg, d, raw)
     if loaded is not None:
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
