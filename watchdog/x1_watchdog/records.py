@@ -61,14 +61,7 @@ class EventLog:
         data = line.encode("utf-8")
         try:
             with disk_faults_named(self.path, need=len(data)):
-                # O_APPEND: one write per line, so a reader tailing the file never sees half a line.
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    if os.write(fd, data) != len(data):  # a disk that filled mid-line
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                append_line(self.path, data)
         except OSError as e:
             # A full disk must not kill the supervisor: an unsupervised trainer is worse than a gap.
             self.writes.failed(self.path, e, "the events from here are in this log only, until a write succeeds")
@@ -77,6 +70,18 @@ class EventLog:
             self.writes.succeeded(self.path)
         self.on_write(record)
         return record
+
+
+def append_line(path: Path, data: bytes) -> None:
+    """One line appended and fsynced. O_APPEND and one write: a reader tailing the file never
+    sees half a line (but a disk that fills mid-line can leave one, which read_events skips)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -131,6 +131,13 @@ class WorkDir:
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def close(self) -> None:
+        """Let go of the folder's lock (the process's exit does too; a caller that goes on, a test,
+        must not find its own lock held by a run that ended)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
 
 # --------------------------------------------------------------------------------------------
 # Assembly: shard files → train.bin / val.bin / meta.json, all appearing at once
@@ -428,42 +435,45 @@ def run(input_dir: Path, output_dir: Path, settings: Settings, workers: int, sha
         raise InputError(str(output_dir), f"--output-dir cannot be created ({e.strerror or e})", skippable=False) from None
     work = WorkDir(output_dir)
     work.open(settings)
-    shards, unreadable = plan_shards(sources, shard_bytes, settings.skip_bad_records)
-    for u in unreadable:
-        log.warning("skipping %s: %s", u.source.path, u.problem)
-    done = work.finished(shards)
-    todo = [s for s in shards if s.key not in done]
-    log.info(
-        "%d input file(s), %.1f MB, in %d shard(s): %d finished earlier, %d to do on %d worker(s)",
-        len(sources), sum(s.size for s in sources) / 1e6, len(shards), len(done), len(todo), min(workers, len(todo)),
-    )
-    progress = Progress(sum(s.input_bytes for s in todo))
-    t_tok = time.monotonic()
     try:
-        for r in run_shards(todo, settings, work.shards, min(workers, len(todo)), progress):
-            done[r.key] = r
-    finally:
-        progress.close()
-    tokenize_s = time.monotonic() - t_tok
-    for s in sources:  # an input rewritten while we read it would mix two versions
-        st = os.stat(s.path)
-        if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
-            raise InputError(s.path, "changed while being tokenized; rerun", skippable=False)
-    fallback_key = pick_fallback(settings, shards, done)
-    meta = build_meta(settings, input_dir, sources, unreadable, shards, done, fallback_key)
-    for b in bad:  # --skip-bad-records: counted with the unreadable files
-        meta["skipped_files"].append({"path": Path(b.path).relative_to(input_dir).as_posix()
-                                      if Path(b.path).is_relative_to(input_dir) else b.path, "problem": b.problem})
-        meta["skipped"]["unreadable file"] = meta["skipped"].get("unreadable file", 0) + 1
-    if meta["train_tokens"] == 0:
-        problem = (
-            f"all {meta['documents']} document(s) went to val.bin, none is left for train.bin: lower --val-fraction"
-            if meta["documents"] else "no documents: every text was empty, null or skipped"
+        shards, unreadable = plan_shards(sources, shard_bytes, settings.skip_bad_records)
+        for u in unreadable:
+            log.warning("skipping %s: %s", u.source.path, u.problem)
+        done = work.finished(shards)
+        todo = [s for s in shards if s.key not in done]
+        log.info(
+            "%d input file(s), %.1f MB, in %d shard(s): %d finished earlier, %d to do on %d worker(s)",
+            len(sources), sum(s.size for s in sources) / 1e6, len(shards), len(done), len(todo), min(workers, len(todo)),
         )
-        raise InputError(str(input_dir), problem, skippable=False)
-    t_asm = time.monotonic()
-    assemble(output_dir, work, shards, done, meta, fallback_key)
-    work.remove()
+        progress = Progress(sum(s.input_bytes for s in todo))
+        t_tok = time.monotonic()
+        try:
+            for r in run_shards(todo, settings, work.shards, min(workers, len(todo)), progress):
+                done[r.key] = r
+        finally:
+            progress.close()
+        tokenize_s = time.monotonic() - t_tok
+        for s in sources:  # an input rewritten while we read it would mix two versions
+            st = os.stat(s.path)
+            if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
+                raise InputError(s.path, "changed while being tokenized; rerun", skippable=False)
+        fallback_key = pick_fallback(settings, shards, done)
+        meta = build_meta(settings, input_dir, sources, unreadable, shards, done, fallback_key)
+        for b in bad:  # --skip-bad-records: counted with the unreadable files
+            meta["skipped_files"].append({"path": Path(b.path).relative_to(input_dir).as_posix()
+                                          if Path(b.path).is_relative_to(input_dir) else b.path, "problem": b.problem})
+            meta["skipped"]["unreadable file"] = meta["skipped"].get("unreadable file", 0) + 1
+        if meta["train_tokens"] == 0:
+            problem = (
+                f"all {meta['documents']} document(s) went to val.bin, none is left for train.bin: lower --val-fraction"
+                if meta["documents"] else "no documents: every text was empty, null or skipped"
+            )
+            raise InputError(str(input_dir), problem, skippable=False)
+        t_asm = time.monotonic()
+        assemble(output_dir, work, shards, done, meta, fallback_key)
+        work.remove()
+    finally:
+        work.close()
     elapsed = time.monotonic() - started
     tokens = meta["train_tokens"] + meta["val_tokens"]
     log.info(
