@@ -28,6 +28,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_export_run import SpikedRun, export_main, spiked_run  # noqa: F401  (the session's tiny trained run)
+from test_prepare import FakeHub
 from test_tokenize_data import _good_parquet
 
 import x1_common.fsutil as fsutil
@@ -40,6 +41,7 @@ from budget_sidecar.testing import Sidecar, wait_until
 from conftest import free_port
 from x1_common.contracts import ExitCode, Heartbeat
 from x1_common.fsutil import DiskFaultError, WriteHealth, disk_fault, write_json_atomic
+from x1_pretrain.data import prepare as prepare_mod
 from x1_pretrain.data import shards as shards_mod
 from x1_pretrain.data import tokenize as tokenize_mod
 from x1_pretrain.run import export as export_mod
@@ -424,6 +426,16 @@ def test_tokenize_on_a_full_disk_exits_1_naming_the_folder_and_the_free_space_an
     assert not [p.name for p in out.iterdir() if p.name.endswith((".tmp", ".new"))]
     monkeypatch.undo()
     assert tokenize_main(src, out) == 0  # the same command, once there is room
+
+
+def test_a_download_onto_a_full_disk_exits_1_naming_the_shard_folder(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                     root_logging) -> None:
+    hub = FakeHub(errors={"fineweb-edu": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))})
+    assert prepare_mod.main(["--output-dir", str(tmp_path)], fetch=hub, tokenize=lambda argv: 0) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"download of HuggingFaceFW/fineweb-edu failed: no space left on device at "
+                     rf"{re.escape(str(tmp_path / 'fineweb-edu'))} for HuggingFaceFW/fineweb-edu's shards " + FREE, err), err
+    assert [name for name, _ in hub.calls] == ["fineweb-edu"]  # a full disk is no refusal: no fallback to fill it more
 
 
 # ---- export_run ---------------------------------------------------------------------------------------
