@@ -10,6 +10,7 @@ dated by the stepped wall clock, as they would be on the host.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,10 @@ from test_budget_guard import Recorder, write_budget
 
 from budget_sidecar.poller import Poller
 from budget_sidecar.settings import SidecarSettings
-from x1_common.contracts import read_budget_file
+from x1_common import restarts
+from x1_common.contracts import Heartbeat, boot_id, read_budget_file
 from x1_pretrain.config import BudgetConfig
+from x1_pretrain.train import tracking
 from x1_pretrain.train.budget_guard import Action, BudgetGuard
 from x1_watchdog.policy import LaunchProgress, StallDetector
 
@@ -211,3 +214,27 @@ def test_the_sidecar_charges_the_time_that_passed_whatever_the_wall_clock_says(t
         poller.poll_once()
         spent.append(read_budget_file(settings.output).spent_usd)
     assert spent == pytest.approx([usd_for(300 * n) for n in range(1, 6)], abs=1e-6)
+
+
+# ---- a restart's downtime ------------------------------------------------------------------------------
+
+
+def test_a_restarts_downtime_is_the_monotonic_time_between_the_stop_and_the_first_step(tmp_path: Path) -> None:
+    """The stopped process's heartbeat carries its SIGTERM on the monotonic clock; the relaunched
+    process on the same boot measures back from its first step on that clock: a wall clock stepped
+    back 10 min (or forward 2 h) in between leaves a 42 s downtime 42 s, not -558 s (or 2 h)."""
+    hb = tmp_path / "heartbeat.json"
+    beat = tracking.Heartbeat(hb)
+    wall, mono = time.time(), time.monotonic()
+    beat.beat(30, "stopped", signal_time=wall, signal_mono=mono)
+    previous = Heartbeat.read(hb)
+    assert previous is not None and previous.signal_mono == mono and previous.boot_id == boot_id() is not None
+    for step in (BACK_10_MIN, FORWARD_2_H):
+        stopped = restarts.previous_stop(previous.phase, previous.time, previous.step, previous.signal_time)
+        first_step = wall + 42.0 + step  # the relaunched process's first step, by the stepped wall clock
+        moved = restarts.on_this_clock(stopped, previous.signal_mono, previous.boot_id, boot_id(), first_step, mono + 42.0)
+        assert restarts.downtime_seconds(moved, first_step) == 42.0
+        assert moved.by == "SIGTERM" and moved.step == 30
+    # Another boot (a reboot, another host): the monotonic clocks do not compare; the wall clocks say it.
+    other = restarts.on_this_clock(stopped, previous.signal_mono, "another-boot", boot_id(), wall + 42.0, 1.0)
+    assert restarts.downtime_seconds(other, wall + 42.0) == 42.0

@@ -337,7 +337,8 @@ def read_budget_file(path: str | os.PathLike[str]) -> BudgetReading:
 
 # --------------------------------------------------------------------------------------------
 # Heartbeat (trainer → watchdog): {"step", "time", "pid", "phase"} (+ "signal_time" once stopped by
-# SIGTERM), rewritten atomically.
+# SIGTERM), rewritten atomically. Also "mono" (and "signal_mono"): the same moments on the monotonic
+# clock, which every process of one boot ("boot_id") shares and no step of the wall clock moves.
 
 # The phases the trainer writes (train/), which the watchdog's policy and compose's healthcheck read.
 PHASE_STARTUP = "startup"  # imports, data checks, the model built: before the first step
@@ -358,6 +359,9 @@ class Heartbeat:
     pid: int
     phase: str
     signal_time: float | None = None  # phase "stopped" after a SIGTERM: when it came (a restart's downtime)
+    mono: float | None = None  # `time` on the monotonic clock of boot `boot_id`
+    signal_mono: float | None = None  # `signal_time` on it
+    boot_id: str | None = None
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Heartbeat | None:
@@ -373,7 +377,20 @@ class Heartbeat:
         step, pid, when, phase = d.get("step"), d.get("pid"), finite_number(d.get("time")), d.get("phase")
         if not (_plain_int(step) and _plain_int(pid) and when is not None and isinstance(phase, str)):
             return None
-        return cls(step=step, time=when, pid=pid, phase=phase, signal_time=finite_number(d.get("signal_time")))
+        boot = d.get("boot_id")
+        return cls(step=step, time=when, pid=pid, phase=phase, signal_time=finite_number(d.get("signal_time")),
+                   mono=finite_number(d.get("mono")), signal_mono=finite_number(d.get("signal_mono")),
+                   boot_id=boot if isinstance(boot, str) else None)
+
+
+def boot_id() -> str | None:
+    """This kernel's boot id: shared by every process and container of the host, new after each
+    reboot. Two monotonic times compare only under one boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _plain_int(v: Any) -> bool:

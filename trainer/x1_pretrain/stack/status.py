@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from x1_common import restarts
-from x1_common.contracts import Heartbeat
+from x1_common.contracts import Heartbeat, boot_id
 from x1_pretrain.stack import services as S
 from x1_pretrain.stack.process import http_status
 from x1_pretrain.stack.workspace import Workspace, read_events, read_json, trainer_pid
@@ -91,6 +91,14 @@ def trainer_running(ws: Workspace) -> tuple[bool, int | None]:
     return alive or pid is not None, pid
 
 
+def heartbeat_age(beat: Heartbeat) -> float:
+    """Seconds since the beat: on the monotonic clock where it was written on this boot (a stepped
+    wall clock shows no false age), else by the wall clocks."""
+    if beat.mono is not None and beat.boot_id is not None and beat.boot_id == boot_id():
+        return max(0.0, time.monotonic() - beat.mono)
+    return time.time() - beat.time
+
+
 def collect_status(ws: Workspace) -> dict[str, Any]:
     seen = L.probe(ws.root)
     record = read_json(ws.stack_file) or {}
@@ -115,7 +123,7 @@ def collect_status(ws: Workspace) -> dict[str, Any]:
     step = last_step_line(ws.log("trainer"))
     trainer: dict[str, Any] = {"pid": tpid, "running": trains,
                                "step": beat.step if beat else None, "phase": beat.phase if beat else None,
-                               "heartbeat_age_s": round(time.time() - beat.time, 1) if beat else None,
+                               "heartbeat_age_s": round(heartbeat_age(beat), 1) if beat else None,
                                "total_steps": int(step[2]) if step else None,
                                "loss": float(step[3]) if step else None,
                                "tokens_per_s": int(step[4]) if step else None,

@@ -324,11 +324,15 @@ class Heartbeat:
         self.path = Path(path)
         self.node = node or {}
         self.writes = writes or WriteHealth(log)
+        self.boot_id = C.boot_id()  # "mono" compares across processes under this boot only
 
-    def beat(self, step: int, phase: str, signal_time: float | None = None) -> None:
+    def beat(self, step: int, phase: str, signal_time: float | None = None, signal_mono: float | None = None) -> None:
         extra = {"signal_time": signal_time} if signal_time is not None else {}
+        if signal_mono is not None:
+            extra["signal_mono"] = signal_mono
         try:
-            write_json_atomic(self.path, {"step": step, "time": time.time(), "pid": os.getpid(), "phase": phase,
+            write_json_atomic(self.path, {"step": step, "time": time.time(), "mono": time.monotonic(),
+                                          "boot_id": self.boot_id, "pid": os.getpid(), "phase": phase,
                                           **extra, **self.node}, durable=False)
         except OSError as e:
             self.writes.failed(self.path, e, "the watchdog sees the last beat that was written, ageing (a stall "
@@ -401,7 +405,7 @@ class _NullProm(_Nothing):
 
 
 class _NullHeartbeat:
-    def beat(self, step: int, phase: str, signal_time: float | None = None) -> None:
+    def beat(self, step: int, phase: str, signal_time: float | None = None, signal_mono: float | None = None) -> None:
         pass
 
     def previous(self) -> None:
