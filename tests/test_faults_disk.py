@@ -355,6 +355,25 @@ def test_the_trainers_heartbeat_and_spool_on_a_full_disk_cost_no_step_and_show_o
     assert metric_values(generate_latest(prom.registry).decode())["x1_train_write_failing"] == 0.0
 
 
+def test_a_local_mlflow_store_on_a_full_disk_is_named_not_called_unreachable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setattr(MlflowClient, "log_batch", refusing(errno.ENOSPC))  # the file store's writes
+    writes = WriteHealth(logging.getLogger("x1.tracking"))
+    store = tmp_path / "mlruns"
+    mlflow = tracking.MlflowLogger(f"file://{store}", "x", run_id=None, run_name="r", params={}, tags={"a": "b"},
+                                   spool_path=tmp_path / "spool.jsonl", writes=writes, flush_seconds=0.1)
+    with caplog.at_level(logging.INFO, logger="x1.tracking"):
+        mlflow.start()
+        mlflow.log(1, {"loss": 3.0})
+        wait_until(lambda: writes.failing, 120, what="the store's first refused write")
+        mlflow.close("FINISHED", timeout=5)
+    assert writes.last_error is not None and writes.last_error.startswith(f"no space left on device at {store} ")
+    assert not [r for r in caplog.records if "not reachable" in r.getMessage()]
+    assert json.loads((tmp_path / "spool.jsonl").read_text().splitlines()[1])["k"] == "loss"  # kept for the next start
+
+
 # ---- tokenize_data ------------------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from budget_sidecar.ledger import Ledger, reading_document
@@ -194,7 +195,7 @@ class Poller:
             )
         self._set_snapshot(doc, now, written)
 
-    def _write(self, path: Any, write: Callable[[], None]) -> bool:
+    def _write(self, path: Path, write: Callable[[], None]) -> bool:
         """One file write; a failure is recorded (self.writes) and retried at the next poll."""
         try:
             write()

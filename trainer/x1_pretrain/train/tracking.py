@@ -26,7 +26,7 @@ from typing import Any
 
 from x1_common import contracts as C
 from x1_common.contracts import redact
-from x1_common.fsutil import WriteHealth, write_json_atomic, write_text_atomic
+from x1_common.fsutil import WriteHealth, disk_fault, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("x1.tracking")
 
@@ -136,9 +136,15 @@ class MlflowLogger:
                     if self._failures:
                         log.info("MLflow reachable again; buffered metrics sent")
                     self._failures = 0
+                    if (store := local_store(self.uri)) is not None:
+                        self.writes.succeeded(store)
                 except Exception as e:  # noqa: BLE001 - any tracking failure: keep training, keep buffering
                     self._failures += 1
-                    if self._failures in (1, 10) or self._failures % 100 == 0:
+                    store, refused = local_store(self.uri), disk_refusal(e)
+                    if store is not None and refused is not None:  # a local store on a refused disk: not "unreachable"
+                        self.writes.failed(store, refused, f"{len(self._pending)} metrics stay buffered in memory "
+                                                           "(spooled at each checkpoint) and are sent once it can be written")
+                    elif self._failures in (1, 10) or self._failures % 100 == 0:
                         log.warning("MLflow at %s not reachable (%s); %d metrics buffered, retrying",
                                     redact(self.uri), redact(str(e))[:200], len(self._pending))
                     if stopping:
@@ -253,6 +259,24 @@ class MlflowLogger:
             log.info("replaying %d spooled metrics from %s", len(rows), self._spool)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             log.warning("ignoring unreadable metrics spool %s: %s", self._spool, e)
+
+
+def disk_refusal(e: BaseException | None) -> OSError | None:
+    """The OSError of a disk that refused a write, in `e` or what it wraps (MLflow wraps its store's)."""
+    while e is not None:
+        if isinstance(e, OSError) and disk_fault(e) is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def local_store(uri: str) -> Path | None:
+    """The file or folder a file:// or sqlite:/// tracking URI writes to; None for a server."""
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///"))
+    return None
 
 
 class PrometheusMetrics:
