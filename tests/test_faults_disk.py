@@ -79,7 +79,7 @@ def metric_values(text: str) -> dict[str, object]:
     (errno.ENOSPC, r"no space left on device at {path}, need 2\.0 kB " + FREE),
     (errno.EDQUOT, r"disk quota exceeded at {path}, need 2\.0 kB " + FREE),
     (errno.EROFS, r"read-only file system at {path}, need 2\.0 kB$"),
-])
+], ids=["ENOSPC", "EDQUOT", "EROFS"])
 def test_an_atomic_write_the_disk_refuses_is_one_line_naming_the_path_the_free_space_and_the_need(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, line: str) -> None:
     path = tmp_path / "budget.json"
@@ -463,7 +463,7 @@ def test_a_download_onto_a_full_disk_exits_1_naming_the_shard_folder(tmp_path: P
 @pytest.mark.parametrize(("where", "line"), [
     ("copy", r"no space left on device at {out}, need \d+\.\d+ (GB|MB|kB) for final\.safetensors " + FREE),
     ("folder", r"read-only file system at {out}"),
-])
+], ids=["full-at-the-weights", "read-only-folder"])
 def test_export_on_a_full_or_read_only_disk_exits_1_naming_the_folder_not_a_running_trainer(
         spiked_run: SpikedRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,  # noqa: F811
         where: str, line: str) -> None:
