@@ -50,7 +50,8 @@ log = logging.getLogger("x1.budget_sidecar")
 
 @dataclass
 class Ledger:
-    """Everything the sidecar must remember across a restart. Times are unix seconds (wall clock)."""
+    """Everything the sidecar must remember across a restart. Times are unix seconds (wall clock);
+    the time charged between two polls of one process is the monotonic clock's (Poller)."""
 
     provider: str
     instance_id: str
@@ -136,13 +137,16 @@ class Ledger:
         write_json_atomic(path, asdict(self))
 
     # --- accounting -------------------------------------------------------------------------
-    def _accrue(self, now: float, time_scale: float, rate: float | None, billing: bool) -> None:
-        """Charge the wall time since `accrued_until` at `rate`, on the (scaled) billed clock.
+    def _accrue(self, now: float, time_scale: float, rate: float | None, billing: bool,
+                elapsed_s: float | None = None) -> None:
+        """Charge the time since `accrued_until` at `rate`, on the (scaled) billed clock.
 
-        A clock that went back (or an `accrued_until` ahead of it) is re-based on `now`: the
-        time in between may be charged twice, never skipped."""
+        `elapsed_s` is that time as the poller measured it on the monotonic clock, which no step of
+        the wall clock moves; without it (a restart: nothing else spans one), the wall clock's.
+        A wall clock that went back (or an `accrued_until` ahead of it) is re-based on `now`."""
         if self.accrued_until is not None and rate is not None and billing:
-            hours = max(0.0, now - self.accrued_until) * time_scale / 3600.0
+            seconds = max(0.0, now - self.accrued_until) if elapsed_s is None else elapsed_s
+            hours = seconds * time_scale / 3600.0
             self.spent_usd += rate * hours
             self.hours_elapsed += hours
             for part in self.parts.values():
@@ -234,8 +238,9 @@ class Ledger:
         return trusted
 
     def record_success(self, now: float, inst: Instance | None, *, time_scale: float, static_rate: float | None = None,
-                       initial_hours: float = 0.0) -> None:
-        """A poll that answered. `inst` None means the static provider (rate `static_rate`)."""
+                       initial_hours: float = 0.0, elapsed_s: float | None = None) -> None:
+        """A poll that answered. `inst` None means the static provider (rate `static_rate`);
+        `elapsed_s` the monotonic seconds since the last charge (see _accrue)."""
         rate = self._price(inst, static_rate)
         billing_now = True if inst is None else inst.status in BILLING_STATUSES
         if self.first_seen is None:
@@ -256,9 +261,9 @@ class Ledger:
             else:
                 # A pod without runtime (starting, stopped, interrupted): its run, if any, is over.
                 self._close_runpod_run()
-                self._accrue(now, time_scale, interval_rate, self.billing)
+                self._accrue(now, time_scale, interval_rate, self.billing, elapsed_s)
         else:
-            self._accrue(now, time_scale, interval_rate, self.billing or billing_now)
+            self._accrue(now, time_scale, interval_rate, self.billing or billing_now, elapsed_s)
         self.rate_usd_per_hr = rate
         self.billing = billing_now
         self.instance_status = "running" if inst is None else inst.status
@@ -287,9 +292,9 @@ class Ledger:
         self.hours_elapsed = max(self.hours_elapsed, self.finished_runs_hours + self.run_hours)
         self.accrued_until = now
 
-    def record_failure(self, now: float, error: str, *, time_scale: float) -> None:
+    def record_failure(self, now: float, error: str, *, time_scale: float, elapsed_s: float | None = None) -> None:
         """A poll that did not answer: spend keeps rising at the last known rate."""
-        self._accrue(now, time_scale, self.rate_usd_per_hr, self.billing)
+        self._accrue(now, time_scale, self.rate_usd_per_hr, self.billing, elapsed_s)
         self.consecutive_failures += 1
         self.poll_failures_total += 1
         self.last_error = error

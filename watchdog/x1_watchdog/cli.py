@@ -12,6 +12,7 @@ from pathlib import Path
 
 from x1_common.alerts import AlertSender
 from x1_common.contracts import WATCHDOG_METRICS_PORT, ExitCode
+from x1_common.fsutil import WriteHealth
 from x1_common.lease import Lease, LeaseError, LeaseHeld, LeaseKind
 from x1_common.logs import setup_logging
 from x1_common.providers import PROVIDERS, api_key_from_env, make_client
@@ -67,8 +68,13 @@ modes:
 Every decision is a JSON line in --events-file ("event": start, exit, relaunch, stall, give_up,
 startup_failure, terminate, unhealthy, healthy). Prometheus on --port: x1_watchdog_restarts_total{reason},
 x1_watchdog_trainer_up, x1_watchdog_downtime_seconds_total, x1_watchdog_healthy,
-x1_watchdog_docker_engine_info. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY;
-alerts from SLACK_WEBHOOK_URL / SMTP_* (x1_common.alerts); none of them is ever logged.
+x1_watchdog_docker_engine_info, x1_watchdog_write_failing, x1_watchdog_write_error_info. A state or
+events file that cannot be written (a full or read-only disk) stops nothing: from its first failed
+write the watchdog is unhealthy, naming the path and the cause, alerts once, and writes again at
+its next decision. Stall detection runs on the monotonic clock: a heartbeat's age is the time since
+the watchdog first saw it, so a wall clock stepped back or forward neither hides a stall nor makes
+one. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY; alerts from SLACK_WEBHOOK_URL /
+SMTP_* (x1_common.alerts); none of them is ever logged.
 
 example (process mode):
   python -m x1_watchdog --mode process --heartbeat-file /workspace/logs/heartbeat.json \\
@@ -274,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(f"alert settings: {e}")
     setup_logging()
+    # Both record files report their failed writes here; /metrics and the alert are wired below.
+    writes = WriteHealth(log)
 
     try:
         ensure_writable_dir(args.state_file, "--state-file")
@@ -286,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         # previous watchdog's leftover and stop it. Taken before the file is read (or reset), held
         # until this process exits.
         Lease.for_file(args.state_file, LeaseKind.WATCHDOG).acquire()
-        state = StateStore(args.state_file, fresh=args.reset_state, total_steps=args.total_steps)
-        events = EventLog(args.events_file)
+        state = StateStore(args.state_file, fresh=args.reset_state, total_steps=args.total_steps, writes=writes)
+        events = EventLog(args.events_file, writes=writes)
     except (StateError, OSError, LeaseHeld, LeaseError) as e:
         log.error("%s", e)
         return ExitCode.USAGE
@@ -301,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
                      old_total_steps=cleared.get("total_steps"), new_total_steps=args.total_steps)
     metrics = WatchdogMetrics()
     events.on_write = metrics.last_decision
+    writes.on_change = metrics.write_error
+    writes.on_first = lambda error: alerter.send(
+        "watchdog-write-failing", f"watchdog cannot write its records: {error[:200]}",
+        f"{error}\nThe watchdog goes on supervising the trainer and writes again at its next decision; its "
+        "decisions since are in its log only. Free space (or remount read-write) on that disk.", {"error": error})
+    metrics.write_error(writes.last_error)  # a write that failed before /metrics existed
     if state.final is not None:  # a decision taken by an earlier watchdog: shown until a new one
         metrics.last_decision({"event": "final", **state.final})
     metrics.serve(args.port, args.metrics_host)

@@ -136,7 +136,7 @@ class Supervisor:
         self.stop = stop
         self.on_final = on_final  # after a final decision is persisted: e.g. terminate the instance
         self.progress = LaunchProgress(detector.heartbeat_file)  # has this launch completed a step?
-        self._unreachable_since: float | None = None  # wall time the trainer became unreachable
+        self._unreachable_since: float | None = None  # when (monotonic) the trainer became unreachable
         self._unreachable_detail = ""
 
     # -- the loop ------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ class Supervisor:
         detail = str(e)
         first = self._unreachable_since is None
         if first:
-            self._unreachable_since = time.time()
+            self._unreachable_since = time.monotonic()
             self.metrics.set_healthy(False)
         if first or detail != self._unreachable_detail:
             # Once per outage and per new cause, not once per poll.
@@ -265,7 +265,7 @@ class Supervisor:
     def _reachable(self) -> None:
         if self._unreachable_since is None:
             return
-        seconds = round(time.time() - self._unreachable_since, 3)
+        seconds = round(time.monotonic() - self._unreachable_since, 3)
         log.info("watchdog healthy again: %s answers (unreachable for %.0f s)", self.handle.label, seconds)
         self.events.write("healthy", trainer=self.handle.label, unreachable_seconds=seconds)
         self.alerter.send(
@@ -286,12 +286,12 @@ class Supervisor:
                 if not self.settings.forward_stop:
                     raise LeaveRunning()
                 return Outcome(self._forward_stop(), cause=None, stop_requested=True)
-            stalled = self.detector.check(time.time())
+            stalled = self.detector.check()
             if stalled:
                 log.error("trainer pid %s stalled: %s; terminating it", self.handle.pid, stalled)
                 self.events.write(
                     "stall", pid=self.handle.pid, reason="stall", detail=stalled,
-                    heartbeat_age_seconds=self.detector.heartbeat_age(time.time()), restart=self.state.restarts_total,
+                    heartbeat_age_seconds=self.detector.heartbeat_age(), restart=self.state.restarts_total,
                 )
                 return Outcome(self._terminate(), cause="stall", stop_requested=self.stop.requested)
             self.stop.wait(self.settings.check_seconds)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from x1_common.contracts import format_utc, parse_json_strict, read_file_bytes, read_json_file, utc_now
-from x1_common.fsutil import fsync_dir, sha256_file, write_bytes_atomic, write_text_atomic
+from x1_common.fsutil import disk_fault, fsync_dir, sha256_file, write_bytes_atomic, write_text_atomic
 from x1_pretrain.checkpoint.weights import read_metadata, read_weights, weights_bytes
 from x1_pretrain.config import ConfigError, ModelConfig
 
@@ -300,10 +300,10 @@ class Checkpointer:
         return time.perf_counter() - t0
 
     def _write_error(self, e: OSError, what: str, need: int) -> CheckpointError:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return CheckpointSpaceError(
-                f"no space left on device at {self.root}, need {need / 1e9:.2f} GB for {what} "
-                f"({free_gb(self.root):.2f} GB free): {what} not written; the older checkpoints are untouched")
+        fault = disk_fault(e, self.root, need=need, what=what)
+        if fault is not None:  # full, over quota, read-only: x1_common's one line, then what it means here
+            kind = CheckpointSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else CheckpointError
+            return kind(f"{fault}: {what} not written; the older checkpoints are untouched")
         return CheckpointError(f"{what} not written to {self.root}: {e.strerror or e}")
 
     def check_space(self, need: int) -> None:

@@ -54,7 +54,15 @@ from x1_common.contracts import (
     move_uri_credentials_to_env,
     utc_now,
 )
-from x1_common.fsutil import make_readable, sha256_file, write_json_atomic, write_text_atomic
+from x1_common.fsutil import (
+    DiskFaultError,
+    disk_fault,
+    disk_faults_named,
+    make_readable,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 from x1_common.restarts import label as restart_label
 from x1_common.scaling import DeclaredBand, declare_band
 from x1_pretrain.checkpoint.store import MARKER
@@ -367,8 +375,12 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             if p.is_file():
                 _fsync_file(p)
         _swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # A disk that refused a file of the folder: said for the run folder, not its temp folder.
+        if isinstance(e, OSError) and (fault := disk_fault(e, out, what=None if isinstance(e, DiskFaultError)
+                                                           else "the run folder")) is not None:
+            raise fault from None
         raise
     return out, manifest
 
@@ -377,10 +389,13 @@ def copy_weights(src: Path, dst: Path) -> str:
     """Copy the weights; returns the copy's sha256. A checkpoint's copy must match the sha256 its
     completion marker recorded: a running trainer may prune that folder while we read it."""
     try:
-        shutil.copyfile(src, dst)
+        with disk_faults_named(dst, need=src.stat().st_size, what=dst.name):
+            shutil.copyfile(src, dst)
         sha = sha256_file(dst)
         marker = src.parent / MARKER
         expected = json.loads(marker.read_text())["files"][src.name] if marker.is_file() else sha
+    except DiskFaultError:
+        raise  # the disk's fault, not the trainer's
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{src} changed while it was copied ({e}): is the trainer still running? Export again") from None
     if sha != expected:
@@ -442,7 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
             "A file that is absent, named or not, is left out with a note and the DoD fails the check it was\n"
             "evidence for: no budget reading gives spent_usd: null with the reason.\n\n"
             "Exit codes: 0 exported; 2 bad input (no such run, no runs, tracking store unreachable after a\n"
-            "short retry, no weights, --output not empty without --force), with a message naming it."
+            "short retry, no weights, --output not empty without --force), with a message naming it; 1 the disk\n"
+            "refused the folder (full, over quota, read-only), naming it, its free space and what was needed:\n"
+            "an earlier export there is left as it was."
         ),
     )
     p.add_argument("--mlflow-uri", required=True, help="tracking URI: sqlite:///..., http://host:5000 or file:///...")
@@ -473,6 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, NotOurFiles, ValueError) as e:
         print(f"export_run: error: {e}", file=sys.stderr)
         return int(ExitCode.USAGE)
+    except OSError as e:
+        fault = disk_fault(e, args.output) if not isinstance(e, DiskFaultError) else e
+        if fault is None:
+            raise
+        print(f"export_run: error: {fault}: nothing exported, {args.output} is as it was; free some space (or remount "
+              "it read-write), then export again", file=sys.stderr)
+        return int(ExitCode.ENVIRONMENT)
     val = manifest["final_val_loss"]
     spent = manifest["spent_usd"]
     print(f"exported run {manifest['mlflow']['run_id']} to {out}: end {manifest['end']} at step {manifest['steps']}, "

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 from x1_common.alerts import AlertSender
 from x1_common.contracts import MLFLOW_RESTART, PHASE_COMPILING, PHASE_STARTUP, PHASE_TRAINING, ExitCode
-from x1_common.fsutil import write_json_atomic
+from x1_common.fsutil import WriteHealth, write_json_atomic
 from x1_pretrain.checkpoint.store import (
     MODEL_FILE,
     OPTIM_FILE,
@@ -221,6 +222,15 @@ def earlier_start(cfg: RunConfig) -> dict[str, Any]:
     return saved if ok else {}
 
 
+def alert_in_background(alerts: AlertSender, error: str) -> None:
+    """The alert of the trainer's first failing write, sent off the training thread (a webhook or
+    an SMTP server can take seconds)."""
+    threading.Thread(target=alerts.send, name="write-alert", daemon=True, args=(
+        "write-failing", f"trainer cannot write: {error[:200]}",
+        f"{error}\nTraining goes on and every next write tries again; free space (or remount read-write) on "
+        "that disk before the next checkpoint, which cannot be written either.", {"error": error})).start()
+
+
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str,
                    extra_tags: dict[str, str] | None = None):
 
@@ -256,9 +266,11 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
         moved = [c for c in state.changes if c["what"] == "tracking"]
         if moved:
             tags["x1.previous_mlflow_run"] = f"{moved[-1]['from']} {moved[-1]['previous_run_id']}"
+    writes = WriteHealth(log)  # the heartbeat's and the spool's; /metrics and the alert are wired in setup
     mlflow = MlflowLogger(
         cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id, run_name=run_name,
         params=flatten(cfg.resolved()), tags=tags, spool_path=ckpt_root / "mlflow-spool.jsonl", on_run_id=remember,
+        writes=writes,
     )
     if state.changes:  # a resumed run is not re-tagged at start: said to it explicitly
         mlflow.set_tags({k: tags[k] for k in ("x1.provenance_changes", "x1.previous_mlflow_run", "x1.data_dir")
@@ -266,7 +278,8 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
     mlflow.start()
     prom = PrometheusMetrics(cfg.tracking.metrics_port, cfg.tracking.metrics_host)
     prom.node.labels(**d.node.labels()).set(1)
-    return MetricsSink(mlflow, prom, Heartbeat(cfg.tracking.heartbeat_file, node))
+    writes.on_change = prom.write_error
+    return MetricsSink(mlflow, prom, Heartbeat(cfg.tracking.heartbeat_file, node, writes), writes)
 
 
 def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str | None:
@@ -459,6 +472,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
 
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
                           extra_tags={**lever_table.tags(), **band_tag(state.declared_band)})
+    if guard.enabled and isinstance(sink, MetricsSink):
+        sink.writes.on_first = lambda error: alert_in_background(guard.alerts, error)
     previous_heartbeat = sink.heartbeat.previous() if d.is_main else None  # before this process's first beat
     sink.heartbeat.beat(state.step, PHASE_STARTUP)
     sink.prom.tokens.inc(state.tokens_seen)
