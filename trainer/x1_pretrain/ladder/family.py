@@ -40,12 +40,19 @@ def model_family(m: ModelConfig) -> str:
     return m.family
 
 
+MIN_HEAD_DIM = 32  # a power of two, as the target's: the fused RoPE kernel works on half a head a lane
+
+
 def _head_dim(d_model: int, groups: int, preferred: int) -> int:
-    """The target's head dim where the width allows it, else the largest even one >= 16 that does."""
-    for hd in (preferred, *range(preferred - 2, 15, -2)):
-        if hd > 0 and d_model % (hd * groups) == 0:
+    """The target's head dim where the width allows it, else the largest power of two >= 32 that does
+    (the fused RoPE kernel takes power-of-two head dims only)."""
+    hd = preferred
+    while hd >= min(MIN_HEAD_DIM, preferred):
+        if d_model % (hd * groups) == 0 and hd & (hd - 1) == 0:
             return hd
-    raise ValueError(f"d_model {d_model}: no even head dim >= 16 gives a whole number of {groups}-head groups")
+        hd //= 2
+    raise ValueError(f"d_model {d_model}: no power-of-two head dim >= {MIN_HEAD_DIM} gives a whole number of "
+                     f"{groups}-head groups")
 
 
 def scaled_model(target: ModelConfig, d_model: int) -> ModelConfig:
@@ -62,12 +69,12 @@ def scaled_model(target: ModelConfig, d_model: int) -> ModelConfig:
 
 
 def widths_for(target: ModelConfig, count: int, smallest: int | None = None) -> list[int]:
-    """`count` widths below the target's, evenly spaced on a log scale from `smallest` (default: a
-    quarter of the target's... at least 2 x the head-group width) up to about half the target's
-    width, each a whole number of head groups."""
+    """`count` widths below the target's, evenly spaced on a log scale from `smallest` (default: an
+    eighth of the target's, at least one head group) up to half the target's width, each a whole
+    number of head groups of a power-of-two head dim."""
     groups = target.n_head // target.n_kv_head
-    step = 16 * groups  # the narrowest head (16) times the group: every width a multiple of it works
-    lo = smallest or max(2 * step, target.d_model // 8)
+    step = min(MIN_HEAD_DIM, target.head_dim) * groups  # every width a multiple of it has a head dim that works
+    lo = smallest or max(step, target.d_model // 8)
     hi = max(lo + step * (count - 1), target.d_model // 2)
     out: list[int] = []
     for i in range(count):

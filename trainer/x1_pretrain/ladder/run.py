@@ -355,7 +355,7 @@ def _run(plan: LadderPlan, s: Settings, fit_when_done: bool) -> int:
     stop = Stop()
     with stop.installed():
         _beat(hb, done, running, s.folder, PHASE_STARTUP)
-        while pending or running:
+        while running or (pending and not reason):
             if stop.signal is not None and not reason:
                 reason = f"signal {signal.Signals(stop.signal).name}"
                 code = int(ExitCode.PREEMPTED)
@@ -408,13 +408,13 @@ def _run(plan: LadderPlan, s: Settings, fit_when_done: bool) -> int:
                         code, reason = 1, f"rung {name} crashed (exit {rc})"
                         _terminate_all(running)
             now = time.monotonic()
-            if now - last_progress >= PROGRESS_EVERY_S or not (pending or running):
+            if now - last_progress >= PROGRESS_EVERY_S or not running:
                 last_progress = now
                 spent = _spent(s)
                 print(progress_line(plan, done, running, s.folder, started,
                                     None if spent is None or spent0 is None else spent - spent0), flush=True)
                 _beat(hb, done, running, s.folder, PHASE_TRAINING)
-            if pending or running:
+            if running or (pending and not reason):
                 time.sleep(0.3)
     record["wall_seconds"] = round(float(record.get("wall_seconds") or 0.0) + time.monotonic() - started, 1)
     spent = _spent(s)
