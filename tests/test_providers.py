@@ -217,7 +217,7 @@ def test_runpod_statuses_are_normalized(raw: str, reason: str, status: str) -> N
     assert parse_runpod_pod(pod).status == status
 
 
-@pytest.mark.parametrize("raw, status", [("active", "running"), ("booting", "booting"), ("terminating", "terminated"),
+@pytest.mark.parametrize("raw, status", [("active", "running"), ("booting", "booting"), ("terminating", "terminating"),
                                          ("preempted", "preempted"), ("unhealthy", "unhealthy"), ("weird", "unknown")])
 def test_lambda_statuses_are_normalized(raw: str, status: str) -> None:
     assert parse_lambda_instance({"id": "i", "status": raw}).status == status
