@@ -47,6 +47,7 @@ class Observation:
 
     state: str
     record: dict[str, Any]
+    instance: Instance | None = None  # the provider's record, when it answered with one for this id
 
     @property
     def ended(self) -> bool:
@@ -73,8 +74,8 @@ def observe(client: Terminable, provider: str, instance_id: str) -> Observation:
         return Observation("unread", {**record, "status": "unread", "instance_id": instance_id,
                                       "error": f"the provider answered with the record of {inst.id}"})
     if inst.status == "terminated" and inst.raw_status == TERMINATED_RAW_STATUS.get(provider, inst.raw_status):
-        return Observation("terminated", record)
-    return Observation("billing", record)
+        return Observation("terminated", record, inst)
+    return Observation("billing", record, inst)
 
 
 @dataclass

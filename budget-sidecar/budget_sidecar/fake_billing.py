@@ -474,7 +474,7 @@ class FakeCloud:
         return {
             "name": name,
             "description": desc,
-            "gpu_description": desc.split(" ", 1)[1].strip("()") if " " in desc else desc,
+            "gpu_description": desc.split(" ", 1)[1] if " " in desc else desc,
             "price_cents_per_hour": cents,  # an integer, as Lambda sends it
             "specs": {"vcpus": vcpus, "memory_gib": mem, "storage_gib": 512, "gpus": gpus},
         }
