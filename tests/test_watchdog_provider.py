@@ -18,6 +18,7 @@ from test_watchdog import Workdir, read_jsonl, scrape, wait_until
 
 from budget_sidecar.testing import FakeBilling
 from conftest import REPO, cli_env, free_port
+from money import assert_fake_holds_nothing_unrecorded
 
 API_KEY = "fake-billing-key-5c1e7a"
 KEY_ENV = {"lambda": "LAMBDA_API_KEY", "runpod": "RUNPOD_API_KEY"}
@@ -103,17 +104,22 @@ def test_failed_terminate_is_alerted_and_retried_by_a_restarted_watchdog(wd: Wor
     fake = fakes("lambda", "inst-1")
     fake.control(fail_mode="500")
     opts = ["--terminate-on-finish", "--provider", "lambda", "--api-url", fake.url, "--instance-id", "inst-1",
-            "--termination-file", str(wd.root / "termination.json")]
-    assert wd.run(["--steps", "0"], *opts, env=provider_env("lambda")) == 0, wd.log()
+            "--termination-file", str(wd.root / "termination.json"), "--terminate-confirm-seconds", "2"]
+    assert wd.run(["--steps", "0"], *opts, env=provider_env("lambda")) == 82, wd.log()
     assert wd.events[-1]["event"] == "terminate" and wd.events[-1]["ok"] is False
-    assert "ALERT" in wd.log() and "still billing" in wd.log()
-    assert not (wd.root / "termination.json").exists()
+    assert "ALERT" in wd.log() and "STILL BILLING" in wd.log() and "x1 down --provider lambda --instance inst-1" in wd.log()
+    record = json.loads((wd.root / "termination.json").read_text())
+    assert record["confirmed"] is False and record["state"] == "terminate sent, still billing"
+    assert wd.state["final"]["terminated"] is False
+    assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
 
     fake.control(fail_mode="none")
     assert wd.run(["--steps", "0"], *opts, env=provider_env("lambda")) == 0, wd.log()
     assert fake.state()["instances"]["inst-1"]["status"] == "terminated"
-    assert json.loads((wd.root / "termination.json").read_text())["instance_id"] == "inst-1"
+    record = json.loads((wd.root / "termination.json").read_text())
+    assert record["instance_id"] == "inst-1" and record["confirmed"] is True
     assert len(wd.starts) == 1  # the finished run was not relaunched to get there
+    assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
 
 
 def instance_volume_with_a_run_folder(root: Path) -> Path:
