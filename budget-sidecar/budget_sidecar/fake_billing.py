@@ -18,7 +18,8 @@ thing, plus an unauthenticated test control plane meant for 127.0.0.1 only:
 The API misbehaves as real ones do, on demand:
 
     {"fault": {"mode": M, "on": OP, "when": "before"|"after", "count": N, "hold_s": S}}
-        M: "timeout" (no answer for hold_s, 30 s by default: past the client's timeout), "500" (the
+        M: "timeout" (no answer for hold_s, 30 s by default: past the client's timeout), "slow" (the
+        real answer, hold_s late), "500" (the
         API's own 5xx), "502-html" / "404-html" (a proxy's HTML page), "garbage" (a body cut short),
         "close" (the connection closed mid-answer). OP: create, terminate, get, list, types,
         resume, stop or any. "after": the operation is DONE, then its answer is lost that way (a
@@ -67,7 +68,7 @@ from fastapi.responses import JSONResponse, Response
 from x1_common.logs import setup_logging
 
 FAIL_MODES = ("none", "500", "timeout", "garbage")
-FAULT_MODES = ("timeout", "500", "502-html", "404-html", "garbage", "close")
+FAULT_MODES = ("timeout", "slow", "500", "502-html", "404-html", "garbage", "close")
 FAULT_OPS = ("any", "create", "terminate", "get", "list", "types", "resume", "stop")
 TERMINATE_EFFECTS = ("now", "ignore", "async", "gone")
 DEFAULT_TYPES = {"lambda": "gpu_1x_a100_sxm4", "runpod": "NVIDIA A100 80GB PCIe"}
@@ -786,6 +787,13 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
         """The operation, with the fault it meets before it (not done) or after it (done, answer lost)."""
         with cloud.lock:
             fault = cloud.take_fault(op)
+        if fault is not None and fault.mode == "slow":  # the real answer, late: the operation before or after the wait
+            if fault.when == "before":
+                await hold(fault.hold_s)
+                return work()
+            response = work()
+            await hold(fault.hold_s)
+            return response
         if fault is not None and fault.when == "before":
             return await fault_answer(fault)
         response = work()

@@ -440,10 +440,11 @@ def launch(args: argparse.Namespace) -> int:
     con.say(f"launch 1/7: the price of {instance_type} ({market}) on {PROVIDER_DISPLAY[args.provider]} "
             f"(ceiling ${ceiling:.2f}/h)")
     seen: list[GpuOffer] = []
+    first = [listing] if listing else []  # the listing just read is the first price check's
 
     def read_price() -> float:
         try:
-            now = cloud.offers(client, market)
+            now = first.pop() if first else cloud.offers(client, market)
         except ProviderError as e:
             if e.kind == "auth":  # no waiting helps a refused key
                 raise KeyRefused(e) from None
@@ -464,7 +465,6 @@ def launch(args: argparse.Namespace) -> int:
         con.say("not launched: nothing was rented")
         return int(ExitCode.LAUNCH_REFUSED)
     offer, price = seen[-1], seen[-1].price_usd_per_hr
-    del listing
 
     # 2. the trainer's own launch check, here, before any money: the .env's steps at plan's speed
     gpu = cloud.plan_gpu_key(offer)
@@ -479,15 +479,15 @@ def launch(args: argparse.Namespace) -> int:
               f"not launched: nothing was rented. Plan what fits and write it into the .env:\n"
               f"  {fix_command(args, values, gpu, market, price, cap)}{fits}", flush=True)
         return int(ExitCode.LAUNCH_REFUSED)
-    if not acceptable:
-        con.say("not launched: nothing was rented")
-        return int(ExitCode.LAUNCH_REFUSED)
     if others and not args.alongside_running:
         names = ", ".join(o.rec.label for o in others)
         print(f"Refused: {len(others)} instance(s) recorded in {state.root} may still bill: {names}. End "
               + (" and ".join(x1_command(args, 'down', '--instance', o.rec.key) for o in others))
               + ", or launch beside them with --alongside-running (their spend counts against the same budget).\n"
               "not launched: nothing was rented", flush=True)
+        return int(ExitCode.LAUNCH_REFUSED)
+    if not acceptable:
+        con.say("not launched: nothing was rented")
         return int(ExitCode.LAUNCH_REFUSED)
     if not confirm(args):
         con.say("not launched: nothing was rented")
