@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ from money import assert_fake_holds_nothing_unrecorded
 
 from budget_sidecar.testing import FakeBilling, wait_until
 from conftest import REPO
+from x1_common.providers import make_client
 from x1_launch.cli import main as x1_main
 
 X1 = str(Path(sys.executable).parent / "x1")
@@ -79,6 +81,11 @@ def env_for(provider: str, state: Path) -> dict[str, str]:
     return {**env, "X1_STATE_DIR": str(state), f"{provider.upper()}_API_KEY": KEY, "PYTHONUNBUFFERED": "1"}
 
 
+def quick_client(*args: Any, **kw: Any) -> Any:
+    """The real client, without Lambda's 1 request/s spacing and with short backoffs (tests only)."""
+    return make_client(*args, **kw, min_interval_s=0.0, backoff_s=0.2)
+
+
 def x1(fake: FakeBilling, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`x1 ARGS` as the command line runs it: its environment (the key, the state folder), its
     output and its exit code."""
@@ -87,7 +94,8 @@ def x1(fake: FakeBilling, state: Path, *args: str) -> subprocess.CompletedProces
     os.environ.clear()
     os.environ.update(env_for(fake.provider, state))
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch("x1_launch.cli.make_client", quick_client):
             try:
                 code = x1_main(list(args))
             except SystemExit as e:  # argparse
@@ -164,7 +172,7 @@ def the_only_instance(fake: FakeBilling) -> str:
 @pytest.mark.parametrize("mode", ["timeout", "500", "502-html", "garbage", "close"])
 def test_a_lost_create_answer_is_found_by_name_and_recorded(fake, ssh_key, tmp_path, mode):
     state = tmp_path / "state"
-    fake.control(fault={"mode": mode, "on": "create", "when": "after", "count": 1, "hold_s": 3})
+    fake.control(fault={"mode": mode, "on": "create", "when": "after", "count": 1, "hold_s": 2})
     proc = x1(fake, state, *launch_args(fake, ssh_key, fitting_env(tmp_path)))
     out = proc.stdout + proc.stderr
     [made] = created(fake)  # the create happened, its answer was lost
@@ -234,7 +242,7 @@ def test_a_terminate_answered_ok_that_leaves_the_instance_running_is_still_billi
     iid = the_only_instance(fake)
     record_of(fake, state, iid)
     fake.control(terminate_effect={"mode": "ignore"})
-    down = x1(fake, state, "down", "--http-timeout", "2", "--confirm-timeout", "3")
+    down = x1(fake, state, "down", "--http-timeout", "2", "--confirm-timeout", "1.5")
     assert down.returncode == 1, down.stdout + down.stderr
     assert fake.state()["terminate_calls"][:1] == [iid] and fake.state()["instances"][iid]["billing"]
     assert (f"but the provider lists it {RUNNING[fake.provider]}: instance {iid} is STILL BILLING (terminate sent, "
@@ -247,7 +255,7 @@ def test_a_terminate_answered_ok_that_leaves_the_instance_running_is_still_billi
     assert "terminate sent, still billing" in status.stdout
 
     # The provider terminates asynchronously: it is terminated once it shows so, not before.
-    fake.control(terminate_effect={"mode": "async", "delay_s": 2})
+    fake.control(terminate_effect={"mode": "async", "delay_s": 1})
     down = x1(fake, state, "down", "--http-timeout", "2", "--confirm-timeout", "20")
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"instance {iid} terminated: the provider lists it {TERMINATED[fake.provider]}" in down.stdout
