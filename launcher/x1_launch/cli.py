@@ -522,8 +522,8 @@ def launch(args: argparse.Namespace) -> int:
         return interrupted(args, state, rec, caught[0])
     if outcome is not None:
         return outcome
-    con.say(f"  instance {rec.instance_id}: billing from now; recorded in {state.record_path(rec.instance_id)}")
     try:
+        con.say(f"  instance {rec.instance_id}: billing from now; recorded in {state.record_path(rec.instance_id)}")
         return launch_rest(args, con, state, rec, client, values, key, repo)
     except KeyboardInterrupt:
         return interrupted(args, state, rec, signal.SIGINT)
