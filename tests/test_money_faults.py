@@ -177,7 +177,8 @@ def test_a_lost_create_answer_is_found_by_name_and_recorded(fake, ssh_key, tmp_p
     out = proc.stdout + proc.stderr
     [made] = created(fake)  # the create happened, its answer was lost
     assert fake.state()["faults_hit"] == [{"op": "create", "mode": mode, "when": "after"}]
-    assert "the create's answer was lost" in out and f"found it: {fake.provider} lists {made}" in out, out
+    display = "Lambda" if fake.provider == "lambda" else "RunPod"
+    assert "the create's answer was lost" in out and f"found it: {display} lists {made}" in out, out
     assert "nothing was rented" not in out and "nothing appears to be rented" not in out
     [rec] = records(state)
     assert rec["instance_id"] == made and rec["phase"] == "created" and rec["name"].startswith("x1-")
@@ -328,6 +329,7 @@ def test_a_second_launch_names_what_still_bills_counts_it_and_refuses(fake, ssh_
     assert f"Still billing: {'Lambda' if fake.provider == 'lambda' else 'RunPod'} instance {iid}" in proc.stdout
     assert "so far at $1.10/h" in proc.stdout and "more over these" in proc.stdout
     assert f"may still bill: {iid}" in proc.stdout and "--alongside-running" in proc.stdout
+    assert "Refused while it bills (below)" in proc.stdout and "Confirmed acceptable" not in proc.stdout
     assert created(fake) == [iid]  # only the earlier one
     assert_fake_holds_nothing_unrecorded(fake, state)
 

@@ -198,12 +198,14 @@ class _HttpClient:
                 resp.status_code, "server" if resp.status_code >= 500 else "bad-request"
             )
             what = self._scrub(self._error_text(data, resp))
+            if api_error is None:  # a page of something in between: one line of it
+                what = " ".join(what.split())[:200]
             if kind == "not-found" and not self._is_not_found(api_error):
                 # Not the API's own "no such thing": a proxy's page, a wrong route. It says nothing
                 # about the instance, so it must never read as "gone".
                 kind = "server"
                 what = (f"not the {self.provider} API's own answer ({resp.headers.get('content-type', 'no content-type')}): "
-                        + " ".join(what.split())[:160])
+                        + what[:160])
             raise ProviderError(
                 f"{self.provider}: {method} {path} -> HTTP {resp.status_code}: {what}",
                 kind=kind,

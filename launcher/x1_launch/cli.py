@@ -326,7 +326,7 @@ def _hours_since(utc: str) -> float:
 
 
 def launch_sentence(provider: str, market: str, offer: GpuOffer, price: float, check: LaunchCheck, cap: float,
-                    others: list[StillBilling], why_type: str) -> tuple[str, bool]:
+                    others: list[StillBilling], why_type: str, alongside: bool = False) -> tuple[str, bool]:
     """The pre-launch sentence, from the trainer's own launch check (the .env's steps at plan's
     speed for this GPU, the price read now), with what earlier launches still bill. And whether the
     money allows the launch (the trainer's check and the cap)."""
@@ -338,7 +338,7 @@ def launch_sentence(provider: str, market: str, offer: GpuOffer, price: float, c
             f"{PROVIDER_DISPLAY[provider]} at ${price:.2f}/h, run ~{hours:.1f} h including setup = ${cost:.2f} "
             f"({check.total_steps:,} steps of .env's TOTAL_STEPS at plan's {check.tokens_per_sec or 0:,.0f} tokens/s).")
     if why_type:
-        text += f" ({why_type}.)"
+        text += f" {why_type}."
     extra = sum(o.spent + o.rate * hours for o in others)
     for o in others:
         text += f" Still billing: {o.line(hours)}."
@@ -350,6 +350,9 @@ def launch_sentence(provider: str, market: str, offer: GpuOffer, price: float, c
         return text + f" Refused by the trainer's launch check: {head}{fits}.", False
     if total > cap:
         return text + f" Over the budget by ${total - cap:.2f}: not launched.", False
+    if others and not alongside:
+        return text + (f" Refused while {'it bills' if len(others) == 1 else 'they bill'} (below); with it counted, "
+                       f"${cap - total:.2f} would be left."), False
     return text + f" Confirmed acceptable, ${cap - total:.2f} buffer.", True
 
 
@@ -469,7 +472,8 @@ def launch(args: argparse.Namespace) -> int:
     # 2. the trainer's own launch check, here, before any money: the .env's steps at plan's speed
     gpu = cloud.plan_gpu_key(offer)
     check = launch_check(cfg, gpu=gpu, price_usd_per_hr=price, setup_hours=args.setup_hours, provider=args.provider)
-    text, acceptable = launch_sentence(args.provider, market, offer, price, check, cap, others, why_type)
+    text, acceptable = launch_sentence(args.provider, market, offer, price, check, cap, others, why_type,
+                                       args.alongside_running)
     print(text, flush=True)
     if not check.ok:
         fits = f" (or set TOTAL_STEPS={check.fits_steps} in {args.env_file})" if check.fits_steps else ""
@@ -481,10 +485,11 @@ def launch(args: argparse.Namespace) -> int:
         return int(ExitCode.LAUNCH_REFUSED)
     if others and not args.alongside_running:
         names = ", ".join(o.rec.label for o in others)
+        ends = "; ".join(f"`{x1_command(args, 'down', '--instance', o.rec.key)}`" for o in others)
         print(f"Refused: {len(others)} instance(s) recorded in {state.root} may still bill: {names}. End "
-              + (" and ".join(x1_command(args, 'down', '--instance', o.rec.key) for o in others))
-              + ", or launch beside them with --alongside-running (their spend counts against the same budget).\n"
-              "not launched: nothing was rented", flush=True)
+              f"{'it' if len(others) == 1 else 'them'} with {ends}, or launch beside "
+              f"{'it' if len(others) == 1 else 'them'} with --alongside-running (the spend counts against the same "
+              "budget).\nnot launched: nothing was rented", flush=True)
         return int(ExitCode.LAUNCH_REFUSED)
     if not acceptable:
         con.say("not launched: nothing was rented")

@@ -57,9 +57,10 @@ def preferred_lambda_type(listing: dict[str, GpuOffer]) -> tuple[str, str]:
         best = max(singles, key=lambda o: o.memory_gb or 0)
         eighty = [o.description for o in listing.values() if "a100" in o.gpu_description.lower()
                   and (o.memory_gb or 0) >= 80]
-        why = (f"Lambda offers no single A100 80GB ({', '.join(eighty) or 'none'}): its single A100 is "
-               f"{best.description}, planned with plan's figure for it; the 50M run fits in "
-               f"{best.memory_gb:g} GB" if best.memory_gb else f"Lambda's single A100: {best.description}")
+        only = f" (its 80 GB A100s: {', '.join(eighty)})" if eighty else ""
+        why = (f"Lambda offers no single A100 80GB{only}; its single A100 is {best.description}, planned with "
+               f"plan's figure for it; the 50M run fits in {best.memory_gb:g} GB" if best.memory_gb
+               else f"Lambda's single A100: {best.description}")
         return best.name, why
     raise ValueError("Lambda offers no single-GPU A100 instance type now: name one with --instance-type "
                      f"(offered: {', '.join(sorted(listing))})")

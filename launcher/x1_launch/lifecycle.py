@@ -26,6 +26,7 @@ from x1_launch import cloud
 from x1_launch.state import InstanceRecord, StateDir
 
 Client = LambdaClient | RunPodClient
+DISPLAY = {"lambda": "Lambda", "runpod": "RunPod"}
 # The signals a create waits out: Ctrl-C, a `kill`, a closed terminal. Each takes effect once the
 # provider's answer (or what the provider lists under the name) is on disk.
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -91,13 +92,13 @@ def find_by_name(client: Client, state: StateDir, rec: InstanceRecord, *, settle
                 twin = replace(rec, instance_id="", notes=[*rec.notes, f"a second instance named {rec.name}"])
                 adopt(state, twin, extra, how=f"listed under the name {rec.name} (a second one)")
                 say(f"  a second instance is listed under {rec.name}: {extra.id}; recorded too")
-            return Found("found", f"{client.provider} lists {first.id} under {rec.name} ({first.raw_status})")
+            return Found("found", f"{DISPLAY[client.provider]} lists {first.id} under {rec.name} ({first.raw_status})")
         waited = time.monotonic() - start
         if waited >= settle_s or give_up():
             if answered:
-                return Found("absent", f"{client.provider} listed no instance named {rec.name} "
+                return Found("absent", f"{DISPLAY[client.provider]} listed no instance named {rec.name} "
                                        f"({answered} listing(s) over {waited:.0f} s)")
-            return Found("unknown", f"{client.provider} could not be asked for {rec.name}: {last_error}")
+            return Found("unknown", f"{DISPLAY[client.provider]} could not be asked for {rec.name}: {last_error}")
         sleep(min(every_s, max(0.0, settle_s - waited)))
 
 
