@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-url", help="the provider's base URL (default: the real API)")
     g.add_argument("--instance-id", help="the instance (Lambda) or pod (RunPod) id")
     g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"),
-                   help="where --terminate-on-finish writes the provider's answer (default %(default)s)")
+                   help="where --terminate-on-finish writes what it sent and observed (default %(default)s)")
     g.add_argument("--keep-run-dir", type=Path, metavar="DIR",
                    help="--terminate-on-finish: storage that outlives the instance (a Lambda persistent filesystem, "
                         "a RunPod network volume). The run folder is copied there and verified before the terminate; "

@@ -13,7 +13,7 @@ instance back again (and sends again) rather than trusting anything recorded bef
 The end of a run is one sequence, on the workspace volume, before the instance goes:
 
     trainer (--run-dir DIR): final checkpoint -> export_run -> post-mortem draft -> dod (check 6 pending)
-    watchdog (--run-dir DIR): terminate -> the provider's answer into DIR/termination.json, the
+    watchdog (--run-dir DIR): terminate, read back -> DIR/termination.json, the
                               manifest's `termination` and dod.json's check 6 updated
 
 so that `dod DIR`, run later wherever the folder is read, passes all six checks.
@@ -190,12 +190,12 @@ class Terminator:
         return None
 
     def _add_to_run_folder(self, record: dict[str, Any], run_dir: Path) -> str:
-        """The provider's answer beside the trainer's export, so the folder proves check 6 by itself.
+        """The termination record beside the trainer's export, so the folder proves check 6 by itself.
         Returns what was done, for the event."""
         manifest_path = run_dir / "manifest.json"
         if not manifest_path.is_file():
             log.error("no run folder at %s (no manifest.json: did the trainer's --run-dir export fail?): the "
-                      "provider's answer is only in %s; export with python -m x1_pretrain.finish --output %s",
+                      "termination record is only in %s; export with python -m x1_pretrain.finish --output %s",
                       run_dir, self.termination_file, run_dir)
             return f"missing: no manifest.json in {run_dir}"
         try:
@@ -208,7 +208,7 @@ class Terminator:
             write_json_atomic(manifest_path, manifest)
             check = recheck_termination(run_dir)
         except Exception as e:  # noqa: BLE001 - the instance is gone already: report, never crash the watchdog
-            log.error("could not add the provider's answer to the run folder %s: %s (it is in %s)", run_dir, e,
+            log.error("could not add the termination record to the run folder %s: %s (it is in %s)", run_dir, e,
                       self.termination_file)
             return f"failed: {e}"
         verdict = "no dod.json to update" if check is None else f"dod check 6 {'PASS' if check.ok else 'FAIL'}: {check.reason}"

@@ -292,7 +292,7 @@ def mark_pending(check: Check) -> Check:
     if check.ok:
         return check
     return replace(check, pending=True, reason="the instance running this check is still up: --terminate-on-finish "
-                   "adds the provider's answer here as termination.json after its terminate; otherwise terminate it "
+                   "adds the instance as the provider shows it after the terminate here as termination.json; otherwise terminate it "
                    "yourself, save the dashboard's screenshot here as termination.png with termination-note.txt (which "
                    "instance, when, what it shows) and run dod on this folder again")
 
@@ -370,7 +370,7 @@ def termination_facts(path: Path | None) -> dict[str, Any] | None:
 
 
 def recheck_termination(run_dir: Path) -> Check | None:
-    """Check 6 again, after the watchdog wrote the provider's answer into the folder: dod.json's
+    """Check 6 again, after the watchdog wrote its termination record into the folder: dod.json's
     line for it is replaced (the other lines stand as checked). None when there is no dod.json."""
     path = run_dir / "dod.json"
     try:
