@@ -378,6 +378,7 @@ def test_launch_without_an_env_file_says_how_to_make_one(fake, ssh_key, tmp_path
     assert proc.returncode == 2
     assert "cp .env.example .env" in proc.stderr and "--write-env .env" in proc.stderr
     assert created(fake) == []
+    assert_fake_holds_nothing_unrecorded(fake, tmp_path / "state")
 
 
 def test_the_create_asks_for_the_planned_gpu_market_image_and_driver(fake, ssh_key, tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from money import assert_fake_holds_nothing_unrecorded
 from prometheus_client.parser import text_string_to_metric_families
 
 from budget_sidecar.app import create_app
@@ -642,5 +643,7 @@ def test_a_price_comes_only_from_the_instances_own_record_and_spend_never_looks_
         doc = budget()
         assert not doc["stale"] and doc["rate_usd_per_hr"] == 1.10 and "rate_note" not in doc
         assert doc["spent_usd"] >= before
+        fake.control(terminate=True)  # the run's end
+        assert_fake_holds_nothing_unrecorded(fake)
     finally:
         fake.stop()
