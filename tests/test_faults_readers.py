@@ -408,8 +408,10 @@ def test_a_zero_price_is_suspect_and_a_higher_one_is_taken_at_once() -> None:
     r = led.reading(7200, cap_usd=35, planned_hours=None, stale_after_failures=2, source="provider-api")
     assert r is not None and r.rate_usd_per_hr == 2.0 and not r.stale and r.spent_usd == pytest.approx(3.1)
     other = parse_lambda_instance({"id": "i", "status": "active", "instance_type": {"name": "a10", "price_cents_per_hour": 75}})
-    led.record_success(10800, other, time_scale=1)  # another instance type, reported: its lower price is taken
-    assert led.rate_usd_per_hr == 0.75 and led.rate_note is None
+    led.record_success(10800, other, time_scale=1)  # another type under the same id: a running one does not change
+    r = led.reading(10800, cap_usd=35, planned_hours=None, stale_after_failures=2, source="provider-api")
+    assert r is not None and r.rate_usd_per_hr == 2.0 and r.stale and r.spent_usd == pytest.approx(5.1)
+    assert "a running instance does not change type" in (led.rate_note or "") and led.instance_type == "a100"
 
 
 @FAST

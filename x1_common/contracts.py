@@ -38,7 +38,18 @@ class ExitCode(IntEnum):
     # error before completing its first step (a broken image, an incompatible torch, a bad
     # driver). Relaunching would only pay for the same start-up again: stop, alert.
     STARTUP_FAILED = 81
+    # The watchdog's, never the trainer's own: --terminate-on-finish sent the terminate, and after
+    # --terminate-confirm-seconds of reading back and sending again the provider still lists the
+    # instance as not terminated. It is still billing: alerted, recorded, and a restarted watchdog
+    # tries again.
+    TERMINATE_UNCONFIRMED = 82
 
+
+# The provider's own word for an instance that has ended, as its records show it, and Lambda's
+# error code for an id it does not know (its error shape: {"error": {"code", "message"}}). Only
+# these, read back after a terminate, prove an instance terminated (dod's check 6).
+TERMINATED_RAW_STATUS = {"lambda": "terminated", "runpod": "TERMINATED"}
+LAMBDA_NOT_FOUND_CODE = "global/object-does-not-exist"
 
 # Codes after which nobody relaunches the trainer. Anything else (75, a crash, a kill) relaunches.
 FINAL_EXIT_CODES = frozenset(

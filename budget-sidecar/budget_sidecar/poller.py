@@ -51,6 +51,16 @@ class Snapshot:
     write_error: str | None = None  # a failing write of budget.json or the ledger: path and cause
 
 
+class WrongRecord(Exception):
+    """The provider answered for the instance with the record of another id."""
+
+
+def _wrong(inst: Instance, asked: str) -> str:
+    price = "no price" if inst.price_usd_per_hr is None else f"${inst.price_usd_per_hr:.4f}/h"
+    return (f"asked for instance {asked}, the provider answered with the record of {inst.id} "
+            f"({inst.instance_type or 'type not reported'}, {price})")
+
+
 class Poller:
     def __init__(
         self,
@@ -109,18 +119,32 @@ class Poller:
     def poll_once(self) -> None:
         s = self.settings
         missing: dict[str, str] = {}
+        wrong: list[str] = []
+        changed = False
         try:
             if s.parts:
-                inst, missing = self._poll_group()
+                inst, missing, wrong, changed = self._poll_group()
             else:
                 inst = None if self.client is None else self.client.get_instance(s.instance_id)
+                if inst is not None and inst.id != s.instance_id:
+                    raise WrongRecord(_wrong(inst, s.instance_id))
             now = self.clock()
             static_rate = None if s.rate_usd_per_hr is None else s.rate_usd_per_hr * s.nodes
             self.ledger.record_success(
                 now, inst, time_scale=s.time_scale, static_rate=static_rate, initial_hours=s.initial_hours,
                 elapsed_s=self._elapsed(),
+                members_changed=changed,
             )
             self.ledger.note_missing_parts(missing)
+            if wrong:
+                self.ledger.note_wrong_record("; ".join(wrong))
+        except WrongRecord as e:
+            now = self.clock()
+            self._error_kind = "wrong-record"
+            self.ledger.record_failure(now, str(e), time_scale=s.time_scale)
+            self.ledger.note_wrong_record(str(e))
+            log.warning("poll failed (%d in a row): %s", self.ledger.consecutive_failures, e)
+            source = "estimate"
         except (ProviderError, ValueError) as e:
             now = self.clock()
             self._error_kind = e.kind if isinstance(e, ProviderError) else "bad-answer"
@@ -144,29 +168,40 @@ class Poller:
             source = "estimate" if s.provider == "static" or missing else "provider-api"
         self._publish(now, source)
 
-    def _poll_group(self) -> tuple[Instance | None, dict[str, str]]:
+    def _poll_group(self) -> tuple[Instance | None, dict[str, str], list[str], bool]:
         """Every instance of a run on several hosts, recorded in the ledger's parts. Returns the
-        group as one instance (None for static) and the instances the provider did not answer for.
-        Raises when none answered: a failed poll, as for one host."""
+        group as one instance (None for static), the instances the provider did not answer for
+        (or answered for with another instance's record: those are also listed in the third
+        item), and whether the set of billing instances changed. Raises when none answered: a
+        failed poll, as for one host."""
         s = self.settings
         if self.client is None:  # static: the same rate for every node
             rate = float(s.rate_usd_per_hr or 0.0)
             nodes = {n: Instance(id=n, status="running", raw_status="static", price_usd_per_hr=rate,
                                  uptime_seconds=None, instance_type=None, region=None) for n in s.parts}
             self.ledger.update_parts(nodes, {})
-            return None, {}
+            return None, {}, [], False
         answers: dict[str, Instance] = {}
         missing: dict[str, str] = {}
-        first_error: ProviderError | None = None
+        wrong: list[str] = []
+        first_error: Exception | None = None
         for iid in s.instance_ids:
             try:
-                answers[iid] = self.client.get_instance(iid)
+                inst = self.client.get_instance(iid)
             except ProviderError as e:
                 missing[iid] = str(e)
                 first_error = first_error or e
+                continue
+            if inst.id != iid:  # another instance's record: a bad answer, never its price for this one
+                missing[iid] = _wrong(inst, iid)
+                wrong.append(missing[iid])
+                first_error = first_error or WrongRecord(missing[iid])
+                continue
+            answers[iid] = inst
         if first_error is not None and not answers:
             raise first_error
-        return self.ledger.update_parts(answers, missing), missing
+        group, changed = self.ledger.update_parts(answers, missing)
+        return group, missing, wrong, changed
 
     def _publish(self, now: float, source: str) -> None:
         s = self.settings

@@ -89,8 +89,10 @@ example (provider mode, on your machine; LAMBDA_API_KEY in the environment):
 EPILOG = """\
 exit codes: the trainer's final code (0 finished, 2 bad config, 76/77 budget stop, 80 forecast stop, 78 launch
 refused, 79 diverged); after a give-up, the last trainer code; 81 after a start-up failure (the
-same error twice before the first step); 75 after a forwarded SIGTERM; 2 for a usage error of
-the watchdog itself. Provider mode: 0 once the instance is terminated
+same error twice before the first step); 82 when --terminate-on-finish sent the terminate and the
+provider still listed the instance as not terminated after --terminate-confirm-seconds (it is
+still billing: alerted; a restarted watchdog reads it back and sends again); 75 after a forwarded
+SIGTERM; 2 for a usage error of the watchdog itself. Provider mode: 0 once the instance is terminated
 (or on SIGTERM/SIGINT), 1 after a give-up (bring-backs that keep failing count too), 2 when
 the API key is refused or the instance does not exist.
 """
@@ -152,12 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("provider (--terminate-on-finish and provider mode)")
     g.add_argument("--terminate-on-finish", action="store_true",
-                   help="after exit 0, 76, 77, 79 or 80: terminate the instance and write the answer to --termination-file")
+                   help="after exit 0, 76, 77, 79 or 80: terminate the instance, read it back until the provider shows it "
+                        "terminated, and write what was sent and observed to --termination-file")
+    g.add_argument("--terminate-confirm-seconds", type=float, default=900.0,
+                   help="--terminate-on-finish: how long to read the instance back (and send the terminate again every "
+                        "minute) before it is reported still billing and the watchdog exits 82 (default 900)")
     g.add_argument("--provider", choices=PROVIDERS)
     g.add_argument("--api-url", help="the provider's base URL (default: the real API)")
     g.add_argument("--instance-id", help="the instance (Lambda) or pod (RunPod) id")
     g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"),
-                   help="where --terminate-on-finish writes the provider's answer (default %(default)s)")
+                   help="where --terminate-on-finish writes what it sent and observed (default %(default)s)")
     g.add_argument("--keep-run-dir", type=Path, metavar="DIR",
                    help="--terminate-on-finish: storage that outlives the instance (a Lambda persistent filesystem, "
                         "a RunPod network volume). The run folder is copied there and verified before the terminate; "
@@ -205,7 +211,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: li
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0:
             p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
-    for name in ("check_seconds", "poll_seconds", "recover_timeout_seconds"):
+    for name in ("check_seconds", "poll_seconds", "recover_timeout_seconds", "terminate_confirm_seconds"):
         value = getattr(args, name)
         if not math.isfinite(value) or value <= 0:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -341,11 +347,13 @@ def main(argv: list[str] | None = None) -> int:
                                 state, events, metrics, alerter, stop, args.recover_timeout_seconds)
         return keeper.run()
 
-    on_final: Callable[[int, str], None] = lambda code, reason: None  # noqa: E731
+    on_final: Callable[[int, str], int | None] = lambda code, reason: None  # noqa: E731
     if args.terminate_on_finish:
         client = make_client(args.provider, args.api_url, api_key_from_env(args.provider))
+        confirm = args.terminate_confirm_seconds
         on_final = Terminator(client, args.provider, args.instance_id, args.termination_file, state, events, alerter,
-                              run_dir=args.run_dir, keep_dir=args.keep_run_dir)
+                              run_dir=args.run_dir, keep_dir=args.keep_run_dir, confirm_seconds=confirm,
+                              resend_every_s=min(60.0, confirm / 4), read_every_s=min(5.0, confirm / 20))
         if args.run_dir is not None and args.keep_run_dir is None:
             log.warning("--terminate-on-finish without --keep-run-dir: the run folder %s would die with the instance, "
                         "so the terminate at the end will be refused (set RESULTS_DIR)", args.run_dir)
@@ -367,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     except StartError as e:
         log.error("%s", e)
         return ExitCode.USAGE
+    if code == ExitCode.TERMINATE_UNCONFIRMED:
+        # Not held: the restart that follows (compose's unless-stopped, the stack's runner) reads the
+        # instance back and sends the terminate again.
+        log.error("exiting %d: the instance %s may still bill (see the alert and %s)", code, args.instance_id,
+                  args.termination_file)
+        return code
     if args.hold_after_final and state.final is not None:
         hold(stop, code)
     return code

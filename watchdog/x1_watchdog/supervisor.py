@@ -123,7 +123,7 @@ class Supervisor:
         metrics: WatchdogMetrics,
         alerter: Alerter,
         stop: StopRequest,
-        on_final: Callable[[int, str], None] = lambda code, reason: None,
+        on_final: Callable[[int, str], int | None] = lambda code, reason: None,
     ) -> None:
         self.handle = handle
         self.detector = detector
@@ -134,7 +134,9 @@ class Supervisor:
         self.metrics = metrics
         self.alerter = alerter
         self.stop = stop
-        self.on_final = on_final  # after a final decision is persisted: e.g. terminate the instance
+        # After a final decision is persisted: e.g. terminate the instance. A code it returns is the
+        # watchdog's exit code instead of the trainer's (82: the terminate was not confirmed).
+        self.on_final = on_final
         self.progress = LaunchProgress(detector.heartbeat_file)  # has this launch completed a step?
         self._unreachable_since: float | None = None  # when (monotonic) the trainer became unreachable
         self._unreachable_detail = ""
@@ -150,8 +152,8 @@ class Supervisor:
                 "pass --reset-state to start a new run",
                 self.state.path, final.get("reason"), final["exit_code"], final.get("time"),
             )
-            self.on_final(final["exit_code"], str(final.get("reason")))
-            return int(final["exit_code"])
+            override = self.on_final(final["exit_code"], str(final.get("reason")))
+            return int(final["exit_code"]) if override is None else override
 
         # A state file with starts but no final decision: a run in progress whose watchdog was
         # restarted (reboot, compose). Its trainer must resume, not start over.
@@ -345,8 +347,8 @@ class Supervisor:
                 f"The trainer exited with code {ex.code} ({reason}). The watchdog will not relaunch it.",
                 {"exit_code": ex.code, "reason": reason},
             )
-        self.on_final(ex.code, reason)
-        return ex.code
+        override = self.on_final(ex.code, reason)
+        return ex.code if override is None else override
 
     def _startup_failure(self, outcome: Outcome) -> StartupFailure | None:
         """The launch as a start-up failure: it crashed (an exit code, not a signal nor 75; not a
@@ -381,8 +383,8 @@ class Supervisor:
         )
         reason = end_reason(code)  # startup-failure
         self.state.record_final(int(code), reason, trainer_exit_code=failure.exit_code, error=failure.error)
-        self.on_final(int(code), reason)
-        return int(code)
+        override = self.on_final(int(code), reason)
+        return int(code) if override is None else override
 
     def _give_up(self, outcome: Outcome) -> int:
         ex = outcome.exit

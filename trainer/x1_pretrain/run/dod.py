@@ -7,9 +7,10 @@
        (load, save, compare bytes and tensors)
     4. total spend <= cap
     5. spike-postmortem.md exists
-    6. the instance is terminated: termination.json (a provider's terminate answer or an
-       instance record showing it terminated), checked; or a screenshot termination.png with a
-       person's termination-note.txt beside it, accepted as NOT verified (a picture is not read)
+    6. the instance is terminated: termination.json, checked: the instance read back from the
+       provider after the terminate (`instance_after`) shows its terminated state, or the API's own
+       not-found for its id (the terminate call's answer alone does not count); or a screenshot
+       termination.png with a person's termination-note.txt beside it, accepted as NOT verified
 
 Prints a table with a reason on every line and writes RUN_DIR/dod.json (atomically) for the demo
 and CI. Exit 0 only when all six pass. A folder without manifest.json is not a run folder: exit 2,
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from x1_common.contracts import ExitCode, format_utc, utc_now
+from x1_common.contracts import LAMBDA_NOT_FOUND_CODE, TERMINATED_RAW_STATUS, ExitCode, format_utc, utc_now
 from x1_common.fsutil import sha256_file, write_json_atomic
 from x1_common.scaling import BAND_SOURCES, LAB_BAND, DeclaredBand, declare_band
 from x1_pretrain.run.record import ExportError
@@ -212,33 +213,37 @@ def check_postmortem(run_dir: Path) -> Check:
 
 
 def termination_evidence(record: Any) -> str | None:
-    """What in a provider record shows the instance terminated, or None.
+    """What in a termination record shows the instance terminated, or None.
 
-    Accepted: Lambda's terminate answer {"data": {"terminated_instances": [...]}}; a Lambda
-    instance record with status "terminated"; RunPod's {"data": {"podTerminate": ...}} without
-    GraphQL errors; a RunPod pod with desiredStatus TERMINATED; and the watchdog's record
-    wrapping either under "response" or "instance_after".
+    The record (the watchdog's --terminate-on-finish or `x1 down`) must hold what the provider
+    showed when the instance was read back after the terminate, `instance_after`: its status is the
+    provider's terminated state (Lambda "terminated", RunPod "TERMINATED") for that instance's id,
+    or it is the API's own not-found answer for that id (Lambda's error code
+    global/object-does-not-exist; RunPod's GraphQL "not found" error or a null pod). The answer to
+    the terminate call alone never passes: a pod that answered podTerminate can go on running.
     """
-    if not isinstance(record, dict) or record.get("errors"):
+    if not isinstance(record, dict):
         return None
-    data = record.get("data")
-    if isinstance(data, dict):
-        done = data.get("terminated_instances")
-        if isinstance(done, list) and done:
-            ids = ", ".join(str(i.get("id", "?")) if isinstance(i, dict) else str(i) for i in done)
-            return f"Lambda terminate answer: terminated_instances [{ids}]"
-        if "podTerminate" in data:
-            return "RunPod podTerminate answered without errors"
-    for pod in (data.get("pod") if isinstance(data, dict) else None, record.get("pod"), record):
-        if isinstance(pod, dict) and str(pod.get("desiredStatus", "")).upper() == "TERMINATED":
-            return f"RunPod pod {pod.get('id', '?')} has desiredStatus TERMINATED"
-    for inst in (data, record):
-        if isinstance(inst, dict) and str(inst.get("status", "")).lower() == "terminated":
-            return f"instance {inst.get('id', record.get('instance_id', '?'))} has status terminated"
-    for key in ("response", "instance_after", "raw"):
-        found = termination_evidence(record.get(key))
-        if found:
-            return f"{key}: {found}"
+    after = record.get("instance_after")
+    instance_id = record.get("instance_id")
+    if not isinstance(after, dict) or not isinstance(instance_id, str) or not instance_id:
+        return None
+    provider = record.get("provider")
+    raw = after.get("raw") if isinstance(after.get("raw"), dict) else {}
+    if after.get("status") == "terminated":
+        word = TERMINATED_RAW_STATUS.get(provider) if isinstance(provider, str) else None
+        shown_id = raw.get("id", after.get("instance_id", instance_id))
+        if word is not None and after.get("raw_status") == word and shown_id == instance_id:
+            return f"read back after the terminate, {provider} lists instance {instance_id} {word}"
+        return None
+    if after.get("status") == "not-found" and after.get("instance_id") == instance_id:
+        api_error = after.get("api_error")
+        if provider == "lambda" and isinstance(api_error, dict) and api_error.get("code") == LAMBDA_NOT_FOUND_CODE:
+            return f"read back after the terminate, Lambda answers {LAMBDA_NOT_FOUND_CODE} for instance {instance_id}"
+        if provider == "runpod" and (api_error == {"data": {"pod": None}} or (
+                isinstance(api_error, list) and any(isinstance(e, dict) and "not found" in str(e.get("message", "")).lower()
+                                                     for e in api_error))):
+            return f"read back after the terminate, RunPod's API no longer knows pod {instance_id}"
     return None
 
 
@@ -253,7 +258,9 @@ def check_termination(run_dir: Path) -> Check:
             evidence, problems = None, [f"termination.json is not JSON ({e})"]
         if evidence:
             return Check(6, name, True, f"termination.json: {evidence}")
-        problems = problems or ["termination.json shows no terminated instance"]
+        problems = problems or ["termination.json shows no terminated instance (its instance_after, read back from "
+                                "the provider after the terminate, is not the provider's terminated state nor its "
+                                "own not-found for that id)"]
     if shot.is_file():
         # A picture proves nothing by itself (any PNG decodes): it passes only with a person's note
         # beside it saying what it shows, and the verdict says it was not verified.
@@ -303,7 +310,7 @@ def mark_pending(check: Check) -> Check:
     if check.ok:
         return check
     return replace(check, pending=True, reason="the instance running this check is still up: --terminate-on-finish "
-                   "adds the provider's answer here as termination.json after its terminate; otherwise terminate it "
+                   "adds the instance as the provider shows it after the terminate here as termination.json; otherwise terminate it "
                    "yourself, save the dashboard's screenshot here as termination.png with termination-note.txt (which "
                    "instance, when, what it shows) and run dod on this folder again")
 
@@ -381,7 +388,7 @@ def termination_facts(path: Path | None) -> dict[str, Any] | None:
 
 
 def recheck_termination(run_dir: Path) -> Check | None:
-    """Check 6 again, after the watchdog wrote the provider's answer into the folder: dod.json's
+    """Check 6 again, after the watchdog wrote its termination record into the folder: dod.json's
     line for it is replaced (the other lines stand as checked). None when there is no dod.json."""
     path = run_dir / "dod.json"
     try:
