@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,19 @@ from x1_common.alerts import AlertSender
 from x1_common.contracts import FINAL_EXIT_CODES, ExitCode, should_relaunch
 from x1_pretrain.checkpoint.store import TrainerState
 from x1_pretrain.train.budget_guard import Projection
-from x1_pretrain.train.forecast import Curve, ForecastError, ForecastWatch, Priors, Schedule, areas, fit_power, forecast
+from x1_pretrain.train.forecast import (
+    Z90,
+    Curve,
+    ForecastError,
+    ForecastWatch,
+    LadderPrior,
+    Priors,
+    Schedule,
+    areas,
+    fit_power,
+    forecast,
+    prior_from_ladder,
+)
 from x1_pretrain.train.forecast_rule import first_judged_step
 from x1_pretrain.train.tracking import NullSink
 
@@ -252,3 +265,70 @@ def test_the_manifest_keeps_what_the_forecast_said_at_10_25_50_percent_and_dod_p
     assert "forecast at 10%: 3.450 [3.350, 3.550] (+0.120, missed); 25%: 3.400" in check.reason
     assert "Chinchilla fit 3.350" in check.reason
     assert forecast_summary([], 5000, 3.3) is None
+
+
+# ---- the ladder as prior ----------------------------------------------------------------------
+
+
+def ladder_rung(total: int, seed: int, L0: float) -> dict:
+    """A complete rung of a ladder: a smaller model's curve drawn from the same law (its own L0), 0.005 noise."""
+    schedule = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=total // 50, total_steps=total)
+    S1, S2 = areas(schedule, MEMORY)
+    rng = np.random.default_rng(seed)
+    curve = [[s, float(L0 + 6.0 * S1[s] ** -0.4 - C_TRUE * S2[s] + rng.normal(0, 0.005))]
+             for s in range(total // 12, total + 1, total // 12)]
+    return {"n_params": 1e6 * (seed + 1), "tokens": total * 1000, "final_val_loss": curve[-1][1], "diverged": False,
+            "curve": curve, "schedule": {"total_steps": total, "warmup_steps": total // 50, "lr": 3e-4,
+                                         "min_lr": 3e-5, "tokens_per_step": 1000}}
+
+
+def known_ladder(truth: float) -> dict:
+    """A ladder that predicts the run's final loss 0.02 off with a +-0.08 interval, with three complete
+    rungs and one diverged (left out), as a ladder.json holds them."""
+    diverged = {**ladder_rung(800, 9, 3.0), "diverged": True, "curve": [[100, 9.0], [200, float("nan")]]}
+    return {"prediction": {"n_params": 5e7, "tokens": 5e9, "val_loss": truth + 0.02, "low": truth - 0.06,
+                           "high": truth + 0.10},
+            "tolerance": 0.08,
+            "rungs": [ladder_rung(1000, 0, 3.2), ladder_rung(2000, 1, 3.4), ladder_rung(3000, 2, 3.0), diverged]}
+
+
+def test_with_a_ladder_prior_a_run_whose_shipped_priors_are_wrong_is_forecast_within_the_goal_at_25_percent():
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    # Priors from another model and corpus: the decay term a quarter of this run's, alpha half of it.
+    elsewhere = Priors(C=0.5, C_sd=0.1, memory=0.3, alpha=0.2, alpha_sd=0.05, interval_scale=1.5)
+    prior = prior_from_ladder(known_ladder(truth), 5e7, 5e9)
+    assert prior.mean == pytest.approx(truth + 0.02) and prior.sd == pytest.approx(0.08 / Z90)
+    assert prior.priors.provenance["ladder"] == ["rung 0 (1e+06 params)", "rung 1 (2e+06 params)",
+                                                 "rung 2 (3e+06 params)"]  # the diverged one left out
+    step = SCHEDULE.total_steps // 4
+    for seed in range(2):
+        curve = drawn_curve(step, seed=seed)
+        without = forecast(curve, SCHEDULE, elsewhere, step)
+        with_ladder = forecast(curve, SCHEDULE, elsewhere, step, prior)
+        assert abs(without.value - truth) > 0.05, without.line()  # what the ladder is there for
+        assert abs(with_ladder.value - truth) < 0.05, with_ladder.line()
+        assert with_ladder.line().endswith("train-loss bins, law lr-annealing, ladder prior")
+        assert without.line().endswith("train-loss bins, law lr-annealing, no ladder")
+
+
+def test_the_ladder_and_the_runs_own_fit_are_weighted_by_their_uncertainties():
+    prior = LadderPrior(mean=3.0, sd=0.1, priors=PRIORS, source="given")
+    value, half = prior.combine(3.3, Z90 * 0.1)  # as sure as the ladder: half-way, and surer than either
+    assert value == pytest.approx(3.15) and half == pytest.approx(Z90 * 0.1 / 2 ** 0.5)
+    value, half = prior.combine(3.3, Z90 * 0.01)  # the curve 100x surer (in variance): it decides
+    assert value == pytest.approx(3.3 - 0.3 / 101) and half < Z90 * 0.01
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda d: d["prediction"].pop("val_loss"), "prediction.val_loss"),
+    (lambda d: d["prediction"].update(low=9.0), "does not hold its val_loss"),
+    (lambda d: d["rungs"][1].update(curve=[1, 2, 3]), "rungs[1].curve"),
+    (lambda d: d["rungs"][0]["schedule"].update(lr="fast"), "rungs[0].schedule.lr"),
+    (lambda d: [r.update(diverged=True) for r in d["rungs"][:2]], "1 complete rungs"),
+    (lambda d: d.update(rungs={}), "rungs must be a list"),
+])
+def test_a_ladder_that_cannot_serve_as_prior_is_refused_naming_what_is_wrong(change, named):
+    ladder = json.loads(json.dumps(known_ladder(3.0), allow_nan=True))
+    change(ladder)
+    with pytest.raises(ForecastError, match=re.escape(named)):
+        prior_from_ladder(ladder, 5e7, 5e9)

@@ -47,6 +47,7 @@ from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfig
 from x1_pretrain.train.forecast import ForecastError, ForecastWatch
 from x1_pretrain.train.lease import take_trainer_lease
 from x1_pretrain.train.loop import forward_backward
+from x1_pretrain.train.probes import CooldownProbes
 from x1_pretrain.train.resume import check_provenance, load_optimizer, resume_point, write_budget_stop
 from x1_pretrain.train.spikes import SpikeDetector, SpikeInjector
 from x1_pretrain.train.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
@@ -421,13 +422,14 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     # step known, the guard also judges whether the steps left can finish under the cap at the
     # plan's throughput for this GPU (on a CPU there is none: the first steady interval decides).
     expected = expected_throughput(cfg, d.device, d.world_size)
+    probes = CooldownProbes.for_run(cfg, state.probes, state.step)
     pace = Pace(total_steps=cfg.train.total_steps, tokens_per_step=cfg.train.tokens_per_step,
                 eval_every=cfg.train.eval_every, ckpt_every=cfg.checkpoint.every,
                 eval_tokens=cfg.train.eval_windows * cfg.model.seq_len, start_step=state.step,
                 # a re-plan's stop was planned: only interruptions are extrapolated over the steps left
                 restarts=max(state.restarts - len(state.replans), 0),
                 expected_tokens_per_sec=expected[0] if expected else None,
-                expected_source=expected[1] if expected else "", started=started)
+                expected_source=expected[1] if expected else "", started=started, probes=probes.ahead())
     pre = guard.prelaunch(pace)
     if pre.exit_code == ExitCode.LAUNCH_REFUSED and pre.fits_steps is not None and state.step > 0 and d.is_main:
         # A resume refused for its projection: the same re-plan as after a budget stop continues it.
@@ -475,11 +477,11 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     samples_per_step = cfg.train.tokens_per_step // cfg.model.seq_len
     sampler = data_mod.WindowSampler(tokens.train, cfg.model.seq_len, cfg.train.seed, samples_per_step)
 
-    def make_batches(start: int, micro_batch: int, accum: int):
+    def make_batches(start: int, micro_batch: int, accum: int, end: int | None = None):
         def source(step: int, micro: int) -> np.ndarray:
             return sampler.windows(step, data_mod.micro_batch_indices(micro, d.rank, micro_batch, d.world_size))
 
-        keys = ((s, m) for s in range(start, cfg.train.total_steps) for m in range(accum))
+        keys = ((s, m) for s in range(start, end or cfg.train.total_steps) for m in range(accum))
         return BatchStream(data_mod.Prefetcher(source, keys, d.device, depth=cfg.data.prefetch,
                                                pin_memory=cfg.data.pin_memory and d.device.type == "cuda"))
 
@@ -495,6 +497,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     )
     run.previous_heartbeat = previous_heartbeat
     run.forecast = forecast_watch(args, cfg, state, d.is_main)
+    run.probes = probes
     run.bf16_weights = bf16_weights(cfg, d, raw)
     if loaded is not None:
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
