@@ -30,8 +30,10 @@ from x1_pretrain.train.forecast import (
     fit_power,
     forecast,
     prior_from_ladder,
+    probe_areas,
 )
 from x1_pretrain.train.forecast_rule import first_judged_step
+from x1_pretrain.train.schedule import probe_plan
 from x1_pretrain.train.tracking import NullSink
 
 SCHEDULE = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=100, total_steps=5000)
@@ -77,6 +79,48 @@ def test_a_curve_drawn_from_the_law_is_forecast_within_the_goal_and_inside_its_i
         assert abs(f.value - truth) < within, f.line()
         assert f.low <= truth <= f.high, f.line()
         assert f.line().startswith("forecast: final val loss ") and "law lr-annealing" in f.line()
+
+
+def with_probes(curve: Curve, until: int, seed: int = 0) -> Curve:
+    """The trainer's probes at 2.5%, 5% and 10% of the run (15% of the steps so far each) forked before
+    `until`, each an annealed point drawn from the law at its own learning-rate history (0.005 noise)."""
+    rng = np.random.default_rng(seed + 100)
+    for _, fork, steps in probe_plan([0.025, 0.05, 0.1], 0.15, SCHEDULE.total_steps):
+        if fork < until:
+            S1, S2 = probe_areas(SCHEDULE, MEMORY, fork, steps)
+            curve.add_probe(fork, steps, 2.8 + 6.0 * S1 ** -0.4 - C_TRUE * S2 + rng.normal(0, 0.005))
+    return curve
+
+
+def test_cooldown_probes_measure_the_decay_term_the_curve_cannot_show_early():
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    # The decay term's prior a quarter of this run's: early in the cosine the curve cannot say otherwise.
+    low_C = Priors(C=0.5, C_sd=0.25, memory=MEMORY, alpha=0.4, alpha_sd=0.1, interval_scale=1.5)
+    step = SCHEDULE.total_steps // 4
+    for seed in range(2):
+        without = forecast(drawn_curve(step, seed=seed), SCHEDULE, low_C, step)
+        probed = forecast(with_probes(drawn_curve(step, seed=seed), step, seed), SCHEDULE, low_C, step)
+        assert without.value - truth > 0.05, without.line()
+        assert abs(probed.value - truth) < 0.05 and probed.low <= truth <= probed.high, probed.line()
+        assert probed.probe_points == 3 and "train-loss bins + 3 probes, law lr-annealing, no ladder" in probed.line()
+    # A probe is a point of its own: the curve keeps it through a checkpoint's JSON.
+    curve = with_probes(drawn_curve(step), step)
+    assert Curve.from_state(json.loads(json.dumps(curve.to_state())), curve.bin_width).probes == curve.probes
+
+
+def test_the_forecast_at_the_runs_last_eval_is_that_evals_value_though_the_law_misses_it():
+    """A curve whose end the law cannot follow (its last evals 0.06 above it): the forecast made at
+    the last step lands on the last eval, the one made at half the run is the law's."""
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    curve = drawn_curve(SCHEDULE.total_steps)
+    for s in curve.val:
+        if s > 0.9 * SCHEDULE.total_steps:
+            curve.val[s] += 0.06 * (s - 0.9 * SCHEDULE.total_steps) / (0.1 * SCHEDULE.total_steps)
+    last = curve.val[SCHEDULE.total_steps]
+    f = forecast(curve, SCHEDULE, PRIORS, SCHEDULE.total_steps)
+    assert abs(f.value - last) < 0.03 < abs(law(SCHEDULE)(SCHEDULE.total_steps) - last), f.line()
+    half = forecast(drawn_curve(2500), SCHEDULE, PRIORS, 2500)
+    assert abs(half.value - truth) < 0.02
 
 
 def test_the_plain_power_law_misses_the_cosine_end_the_annealing_law_sees():
@@ -332,3 +376,41 @@ def test_a_ladder_that_cannot_serve_as_prior_is_refused_naming_what_is_wrong(cha
     change(ladder)
     with pytest.raises(ForecastError, match=re.escape(named)):
         prior_from_ladder(ladder, 5e7, 5e9)
+
+
+def curves_file(path: Path) -> Path:
+    """bench/forecast_curves.py's JSON for three runs drawn from the law (train loss at every step, val
+    every 5% of the run, the trainer's probes at 2.5/5/10%), with their parameters and tokens."""
+    runs = []
+    for i, total in enumerate((600, 800, 1000)):
+        schedule = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=total // 50, total_steps=total)
+        true, rng = law(schedule), np.random.default_rng(i)
+        probes = []
+        for _, fork, steps in probe_plan([0.025, 0.05, 0.1], 0.15, total):
+            S1, S2 = probe_areas(schedule, MEMORY, fork, steps)
+            probes.append({"step": fork, "steps": steps, "val_loss": 2.8 + 6.0 * S1 ** -0.4 - C_TRUE * S2, "seconds": 1.0})
+        val_steps = list(range(total // 20, total + 1, total // 20))
+        runs.append({"name": f"law-{total}", "steps": total, "warmup": total // 50, "lr": 3e-4, "min_lr": 3e-5,
+                     "n_params": 5e7, "tokens_per_step": 1000, "probes": probes,
+                     "train_loss": [true(s) + 0.05 + rng.normal(0, 0.05) for s in range(1, total + 1)],
+                     "val_steps": val_steps, "val_loss": [true(s) + rng.normal(0, 0.005) for s in val_steps]})
+    path.write_text(json.dumps({"runs": runs, "tokens_per_step": 1000}))
+    return path
+
+
+def test_the_evaluator_compares_the_forecast_with_and_without_probes_and_a_ladder(tmp_path):
+    curves = curves_file(tmp_path / "curves.json")
+    ladder = tmp_path / "ladder.json"
+    ladder.write_text(json.dumps({**known_ladder(2.9), "prediction": {"n_params": 5e7, "tokens": 8e5, "val_loss": 2.9,
+                                                                      "low": 2.8, "high": 3.0}}))
+    proc = run_module("x1_pretrain.forecast", "evaluate", str(curves), "--compare", "--ladder", str(ladder),
+                      "--json", str(tmp_path / "rows.json"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| yes") or ln.startswith("| no")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| no", "no"], ["| yes", "no"], ["| no", "yes"], ["| yes", "yes"]]
+    saved = json.loads((tmp_path / "rows.json").read_text())
+    assert saved["probes=yes,ladder=no"][0]["probes"] == 3 and saved["probes=no,ladder=yes"][0]["ladder"] is True
+    bad = tmp_path / "bad-ladder.json"
+    bad.write_text(json.dumps({**known_ladder(2.9), "rungs": "none"}, allow_nan=True))
+    proc = run_module("x1_pretrain.forecast", "evaluate", str(curves), "--ladder", str(bad))
+    assert proc.returncode == 2 and "ladder: rungs must be a list" in proc.stderr

@@ -101,10 +101,25 @@ def areas(schedule: Schedule, memory: float) -> tuple[np.ndarray, np.ndarray]:
     return np.cumsum(r), np.cumsum(momentum) / T
 
 
+# How a cooldown probe's end is placed on the law: "own" (the default): its own learning rates, the
+# run's up to the fork and then the cooldown, as a run of its own of fork + k steps (the law's areas
+# are in shares of a run's length); "run": the same rates in the units of the run it was forked from;
+# "cosine": the areas of a whole cosine schedule of fork + k steps, the schedule Hägele et al. find a
+# cooldown of 10-20% lands on. `python -m x1_pretrain.forecast evaluate --probe-areas` compares them.
 PROBE_AREAS = "own"
+PROBE_AREAS_CHOICES = ("own", "run", "cosine")
+
+
+def use_probe_areas(how: str) -> None:
+    """The placing of probes the forecasts of this process use (the evaluation's --probe-areas)."""
+    global PROBE_AREAS
+    if how not in PROBE_AREAS_CHOICES:
+        raise ValueError(f"probe areas {how!r}: one of {', '.join(PROBE_AREAS_CHOICES)}")
+    PROBE_AREAS = how
 
 
 def _momentum_areas(r: np.ndarray, length: int, memory: float) -> tuple[float, float]:
+    """(S1, S2) at the end of the rates r[0..n] of a run `length` steps long (as `areas` reckons them)."""
     from scipy.signal import lfilter
 
     lam = 1.0 - 1.0 / max(memory * length, 1.0)
@@ -115,15 +130,16 @@ def _momentum_areas(r: np.ndarray, length: int, memory: float) -> tuple[float, f
 
 
 @functools.lru_cache(maxsize=256)
-def probe_areas(schedule: Schedule, memory: float, fork: int, steps: int, how: str | None = None) -> tuple[float, float]:
-    """(S1, S2) at the end of a cooldown probe forked at `fork`, `steps` long."""
-    how = how or PROBE_AREAS
+def probe_areas(schedule: Schedule, memory: float, fork: int, steps: int, how: str = "own") -> tuple[float, float]:
+    """(S1, S2) at the end of a cooldown probe forked at `fork`, `steps` long: its learning rates are
+    the run's to the fork, then from the run's there to min_lr in the (1-sqrt) shape (schedule.probe_lr)."""
     if how == "cosine":
-        return tuple(float(a[-1]) for a in areas(Schedule(schedule.lr, schedule.min_lr, schedule.warmup_steps, fork + steps), memory))
-    r = schedule.rates()[: fork + 1]
+        whole = Schedule(schedule.lr, schedule.min_lr, schedule.warmup_steps, fork + steps)
+        S1, S2 = areas(whole, memory)
+        return float(S1[-1]), float(S2[-1])
     start = lr_at(fork, schedule, schedule.total_steps)
     cool = np.array([probe_lr(j, steps, start, schedule.min_lr) for j in range(steps)]) / schedule.lr
-    rates = np.concatenate([r, cool])
+    rates = np.concatenate([schedule.rates()[: fork + 1], cool])
     return _momentum_areas(rates, schedule.total_steps if how == "run" else fork + steps, memory)
 
 
@@ -314,20 +330,6 @@ def _points(curve: Curve, schedule: Schedule, after_spike: int, step: int | None
     return Points(v_arr[:, 0], v_arr[:, 1], t_arr[:, 0], t_arr[:, 1], t_arr[:, 2], probes)
 
 
-def _soft_l1_on(n: int):
-    """The loss for least_squares: soft-L1 on the first n residuals (the points: one bad point does
-    not drag the fit), squared on the rest (the priors' penalty terms keep their Gaussian weight)."""
-    def rho(z: np.ndarray) -> np.ndarray:
-        out = np.empty((3, z.size))
-        out[0], out[1], out[2] = z, 1.0, 0.0
-        t = 1.0 + z[:n]
-        out[0, :n] = 2.0 * (np.sqrt(t) - 1.0)
-        out[1, :n] = t ** -0.5
-        out[2, :n] = -0.5 * t ** -1.5
-        return out
-    return rho
-
-
 def _fit_annealing(p: Points, S1, S2, C: float, priors: Priors, probe_areas: np.ndarray | None = None,
                    C_live: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
     """(theta = L0, A, alpha, offset, C; its covariance; residual scale). C is held at `C` unless
@@ -361,7 +363,7 @@ def _fit_annealing(p: Points, S1, S2, C: float, priors: Priors, probe_areas: np.
     ub = [y_min + 5.0, np.inf, 3.0, 5.0, max(10.0 * C, 1.0) if C_live else C + 1e-12]
     if not has_train:  # no offset to fit: held at 0
         lb[3], ub[3] = -1e-9, 1e-9
-    res = least_squares(residuals, np.clip(x0, lb, ub), bounds=(lb, ub), loss=_soft_l1_on(n_data), f_scale=0.02,
+    res = least_squares(residuals, np.clip(x0, lb, ub), bounds=(lb, ub), loss="soft_l1", f_scale=0.02,
                         x_scale="jac", max_nfev=2000)
     live = [0, 1, 2] + ([3] if has_train else []) + ([4] if C_live else [])
     dof = max(n_data - len(live), 1)
@@ -418,7 +420,7 @@ def forecast(curve: Curve, schedule: Schedule, priors: Priors, step: int, ladder
                         reason=f"{len(p.vs)} evals and {len(p.ts)} train-loss bins past the warm-up; "
                         f"{MIN_VAL_POINTS} evals and {MIN_POINTS} points in all needed")
     S1, S2 = areas(schedule, priors.memory)
-    pa = np.array([probe_areas(schedule, priors.memory, f, k) for f, k, _ in p.probes]) if p.probes else None
+    pa = np.array([probe_areas(schedule, priors.memory, f, k, PROBE_AREAS) for f, k, _ in p.probes]) if p.probes else None
     live = pa is not None
 
     def fit_predict(C: float) -> tuple[float, np.ndarray, np.ndarray]:
@@ -1002,10 +1004,14 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--compare", action="store_true",
                     help="one summary row each with and without the probes and the ladder (no per-run table)")
     ev.add_argument("--no-multi-power", action="store_true", help="leave out the multi-power law's column (minutes)")
+    ev.add_argument("--probe-areas", choices=PROBE_AREAS_CHOICES, default=PROBE_AREAS,
+                    help=f"how a probe's end is placed on the law (default {PROBE_AREAS}; see PROBE_AREAS)")
     fp = sub.add_parser("fit-priors", help="the priors file from all the runs")
     fp.add_argument("curves", type=Path)
     fp.add_argument("--output", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.cmd == "evaluate":
+        use_probe_areas(args.probe_areas)  # this process's evaluation only
     try:
         runs = load_curves(args.curves)
         if args.cmd == "evaluate":

@@ -41,10 +41,16 @@ from x1_pretrain.ops.kernels import addmm_into_fp32
 from x1_pretrain.ops.losses import fused_available
 from x1_pretrain.train import distributed as D
 from x1_pretrain.train import preflight, provenance
-from x1_pretrain.train.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
+from x1_pretrain.train.accounting import (
+    detect_gpu_key,
+    expected_tokens_per_sec,
+    flops_per_token,
+    fmt_count,
+    param_counts,
+)
 from x1_pretrain.train.budget_guard import BudgetGuard, Pace
 from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfigError, Run, StopSignal, Throughput
-from x1_pretrain.train.forecast import ForecastError, ForecastWatch
+from x1_pretrain.train.forecast import ForecastError, ForecastWatch, prior_from_ladder
 from x1_pretrain.train.lease import take_trainer_lease
 from x1_pretrain.train.loop import forward_backward
 from x1_pretrain.train.probes import CooldownProbes
@@ -79,8 +85,10 @@ def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -
     return row.tokens_per_sec * world_size, f"plan's figure for {world_size}x {gpu} ({row.source})"
 
 
-def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool):
-    """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept."""
+def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool,
+                   ladder: dict[str, Any] | None = None):
+    """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept; with
+    `ladder` (a ladder.json already checked to be this run's), its prediction and shape priors."""
     alerts = None
     if is_main:
         try:
@@ -88,9 +96,11 @@ def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState
         except ValueError as e:
             raise ConfigError(f"alerts: {e}") from None
     try:
+        prior = None if ladder is None else prior_from_ladder(
+            ladder, param_counts(cfg.model)["total"], cfg.train.total_steps * cfg.train.tokens_per_step)
         return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
                                      band=args.forecast_band, stop_outside=args.stop_when_forecast_misses_band,
-                                     alerts=alerts)
+                                     alerts=alerts, ladder=prior)
     except ForecastError as e:
         raise DataOrConfigError(f"forecast: {e}") from None
 
