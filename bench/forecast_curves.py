@@ -20,7 +20,8 @@ With --probes (shares of each run), each run also forks the trainer's cooldown p
 (x1_pretrain.train.probes: the learning rate from the run's own down to the floor in the (1-sqrt)
 shape over --probe-share x the steps so far, on the batches the run itself draws next, then one
 eval, then the run's weights, optimizer state and RNG put back as they were): each run's `probes`
-list holds {step, steps, val_loss, seconds}, which `python -m x1_pretrain.forecast evaluate` uses.
+list holds {step, steps, val_loss, seconds}, which `python -m x1_pretrain.forecast evaluate` uses
+(each run also keeps its parameter counts and FLOPs per token, for a ladder's prediction).
 
 What it needs: torch, numpy and tiktoken. Not MLflow, not the network. Where pydantic (the
 trainer's config) is missing, a dataclass with ModelConfig's fields stands in for it: the model
@@ -222,6 +223,7 @@ def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_wind
     from x1_pretrain.data.loader import split_window, val_windows
     from x1_pretrain.model.transformer import Transformer, attention_backend, param_groups
     from x1_pretrain.ops.losses import fused_available
+    from x1_pretrain.train.accounting import flops_per_token, param_counts
     from x1_pretrain.train.schedule import lr_at, probe_lr, probe_plan
 
     dev = torch.device(device)
@@ -295,8 +297,10 @@ def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_wind
         if done in forks:
             probe_points.append(probe(done, forks[done]))
     losses = torch.stack(train_losses).cpu().tolist()
+    counts = param_counts(cfg)  # a ladder's law counts N with or without the embedding
     return {**dataclasses.asdict(spec), "batch": batch, "tokens_per_step": batch * cfg.seq_len,
-            "n_params": sum(p.numel() for p in model.parameters()), "probes": probe_points,
+            "n_params": counts["total"], "nonembedding_params": counts["non_embedding"],
+            "flops_per_token": flops_per_token(cfg), "probes": probe_points,
             "probe_share": probe_share if probes else None, "eval_every": eval_every, "eval_tokens": int(vy.numel()), "seconds": round(time.monotonic() - started, 1),
             "train_loss": [round(v, 5) for v in losses],  # [i]: the loss the trainer logs at step i + 1
             "val_steps": [s for s, _ in evals], "val_loss": [round(v, 5) for _, v in evals]}

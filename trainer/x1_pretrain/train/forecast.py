@@ -513,14 +513,30 @@ def _rung_curve(rung: Any, i: int) -> RunCurve | None:
                     points[:, 0], points[:, 1], n_params=float(rung["n_params"]))
 
 
-def _predicted(ladder: dict[str, Any], n_params: float, tokens: float) -> tuple[float, float, float, str]:
-    """(val loss, low, high, source) the ladder predicts for this run's parameters and tokens."""
+def _predicted(ladder: dict[str, Any], n_params: float, tokens: float, nonembedding_params: float | None,
+               flops_per_token: float | None) -> tuple[float, float, float, str]:
+    """(val loss, low, high, source) the ladder predicts for this run's parameters and tokens: its
+    law's value there (x1_common.scaling.predict) where the ladder holds a fit and that module is
+    installed, else its `prediction` (as is where it was made for another size: said in `source`)."""
+    try:
+        from x1_common import scaling  # the ladder's law, closed form (stdlib)
+    except ImportError:
+        scaling = None
+    if scaling is not None and isinstance(ladder.get("fit"), dict):
+        try:
+            got = scaling.predict(ladder, n_params, tokens, nonembedding_params=nonembedding_params,
+                                  flops_per_token=flops_per_token)
+        except (KeyError, TypeError, ValueError) as e:  # scaling.LadderFileError is a ValueError
+            raise ForecastError(f"ladder: its law cannot predict this run ({type(e).__name__}: {e})") from None
+        low, high = float(got.low), float(got.high)
+        return float(got.val_loss), low, high, f"the ladder's law at {n_params:.3g} params, {tokens:.3g} tokens"
     pred = ladder.get("prediction")
     if not isinstance(pred, dict):
-        raise ForecastError("ladder: prediction must be an object {n_params, tokens, val_loss, low, high}")
+        raise ForecastError("ladder: neither a fit its law can be read from (x1_common.scaling) nor a prediction "
+                            "{n_params, tokens, val_loss, low, high}")
     value = _number(pred, "val_loss", "prediction.", True)
     tol = ladder.get("tolerance")
-    if "low" in pred or "high" in pred or not isinstance(tol, (int, float)) or isinstance(tol, bool):
+    if "low" in pred or "high" in pred or isinstance(tol, bool) or not isinstance(tol, (int, float)):
         low, high = _number(pred, "low", "prediction."), _number(pred, "high", "prediction.")
     else:
         low, high = value - float(tol), value + float(tol)
@@ -529,27 +545,20 @@ def _predicted(ladder: dict[str, Any], n_params: float, tokens: float) -> tuple[
     target = (_number(pred, "n_params", "prediction.", True), _number(pred, "tokens", "prediction.", True))
     if math.isclose(target[0], n_params, rel_tol=0.01) and math.isclose(target[1], tokens, rel_tol=0.01):
         return value, low, high, "the ladder's prediction for this run"
-    try:
-        from x1_common.scaling import predict  # the ladder's law, closed form (stdlib)
-    except ImportError:
-        return value, low, high, (f"the ladder's prediction for {target[0]:.3g} params, {target[1]:.3g} tokens, as is "
-                                  f"(this run: {n_params:.3g}, {tokens:.3g}; no x1_common.scaling to move it)")
-    got = predict(ladder, n_params, tokens)
-    if isinstance(got, dict):
-        return (_number(got, "val_loss", "predict()."), _number(got, "low", "predict()."),
-                _number(got, "high", "predict()."), "the ladder's law at this run's size")
-    moved = float(got.val_loss if hasattr(got, "val_loss") else got)
-    return moved, moved - (value - low), moved + (high - value), "the ladder's law at this run's size"
+    return value, low, high, (f"the ladder's prediction for {target[0]:.3g} params, {target[1]:.3g} tokens, as is "
+                              f"(this run: {n_params:.3g}, {tokens:.3g})")
 
 
-def prior_from_ladder(ladder: dict[str, Any], n_params: float, tokens: float) -> LadderPrior:
+def prior_from_ladder(ladder: dict[str, Any], n_params: float, tokens: float, nonembedding_params: float | None = None,
+                      flops_per_token: float | None = None) -> LadderPrior:
     """The forecast's prior from a ladder.json (as a dict): the predictive distribution of this run's
-    final val loss (the prediction, moved to this run's parameters and tokens by
-    x1_common.scaling.predict where they differ and that exists), and the shape priors fitted on the
-    rungs' complete curves (the diverged ones left out). ForecastError names what is wrong."""
+    final val loss (`_predicted`: the ladder's law at this run's parameters and tokens, or its
+    prediction), its interval read as a 90% one, and the shape priors fitted on the rungs' complete
+    curves (the diverged ones left out). `nonembedding_params` for a law that counts N without the
+    embedding. ForecastError names what is wrong."""
     if not isinstance(ladder, dict):
         raise ForecastError("ladder: not a JSON object")
-    value, low, high, source = _predicted(ladder, n_params, tokens)
+    value, low, high, source = _predicted(ladder, n_params, tokens, nonembedding_params, flops_per_token)
     rungs = ladder.get("rungs")
     if not isinstance(rungs, list):
         raise ForecastError("ladder: rungs must be a list")
@@ -773,8 +782,10 @@ class RunCurve:
     val_steps: np.ndarray
     val: np.ndarray
     probes: tuple[tuple[int, int, float], ...] = ()  # (fork step, steps, annealed val loss) of its cooldown probes
-    n_params: float | None = None  # the model's, for a ladder's prediction
+    n_params: float | None = None  # the model's (every parameter), for a ladder's prediction
     tokens_per_step: int | None = None
+    nonembedding_params: float | None = None  # for a ladder whose law counts N without the embedding
+    flops_per_token: float | None = None
 
     def curve_until(self, step: int, use_probes: bool = True) -> Curve:
         """The curve as the trainer has it at the eval at `step` (a probe forked there runs after it)."""
@@ -803,10 +814,11 @@ def load_curves(path: Path) -> list[RunCurve]:
                              total_steps=int(r["steps"]))
             probes = tuple((int(q["step"]), int(q["steps"]), float(q["val_loss"])) for q in r.get("probes") or [])
             tps = r.get("tokens_per_step", data.get("tokens_per_step"))
+            numbers = {k: float(r[k]) if r.get(k) is not None else None
+                       for k in ("n_params", "nonembedding_params", "flops_per_token")}
             runs.append(RunCurve(r["name"], sched, np.array(r["train_loss"], dtype=float),
                                  np.array(r["val_steps"], dtype=float), np.array(r["val_loss"], dtype=float), probes,
-                                 float(r["n_params"]) if r.get("n_params") is not None else None,
-                                 int(tps) if tps is not None else None))
+                                 tokens_per_step=int(tps) if tps is not None else None, **numbers))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ForecastError(f"{path}: not a curves file of bench/forecast_curves.py ({type(e).__name__}: {e})") from None
     if not runs:
@@ -885,7 +897,8 @@ def ladder_for(ladder: dict[str, Any], run: RunCurve) -> LadderPrior:
     if run.n_params is None or run.tokens_per_step is None:
         raise ForecastError(f"run {run.name}: no n_params / tokens_per_step in the curves file, which a ladder's "
                             "prediction needs (bench/forecast_curves.py writes both)")
-    return prior_from_ladder(ladder, run.n_params, run.schedule.total_steps * run.tokens_per_step)
+    return prior_from_ladder(ladder, run.n_params, run.schedule.total_steps * run.tokens_per_step,
+                             run.nonembedding_params, run.flops_per_token)
 
 
 def evaluate(runs: list[RunCurve], multi_power: bool = True, use_probes: bool = True,

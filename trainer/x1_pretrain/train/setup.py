@@ -96,8 +96,10 @@ def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState
         except ValueError as e:
             raise ConfigError(f"alerts: {e}") from None
     try:
+        counts = param_counts(cfg.model)
         prior = None if ladder is None else prior_from_ladder(
-            ladder, param_counts(cfg.model)["total"], cfg.train.total_steps * cfg.train.tokens_per_step)
+            ladder, counts["total"], cfg.train.total_steps * cfg.train.tokens_per_step, counts["non_embedding"],
+            flops_per_token(cfg.model))
         return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
                                      band=args.forecast_band, stop_outside=args.stop_when_forecast_misses_band,
                                      alerts=alerts, ladder=prior)
