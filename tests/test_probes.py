@@ -156,14 +156,19 @@ def test_the_probes_still_ahead_count_in_the_budget_projection():
 
 
 def test_a_budget_stop_found_during_a_probe_is_acted_on_at_the_runs_next_check():
+    from x1_common.alerts import AlertSender
     from x1_pretrain.config import BudgetConfig
-    from x1_pretrain.train.budget_guard import BudgetGuard
+    from x1_pretrain.train.budget_guard import BudgetGuard, ReadError
 
-    guard = BudgetGuard(BudgetConfig(cap_usd=10.0, alert_usd=5.0), reader=lambda: (_ for _ in ()).throw(OSError()))
+    def unreadable():
+        raise ReadError("budget.json: missing")
+
+    guard = BudgetGuard(BudgetConfig(cap_usd=10.0, alert_usd=5.0), AlertSender(), reader=unreadable)
     stop = Decision(Action.CHECKPOINT_AND_EXIT, int(ExitCode.BUDGET_PROJECTED), "projected over", 9.0, 11.0)
     guard.hold(stop)
-    assert guard.maybe_check(20) is stop  # the loop's budget check at the run's own step gets it
-    assert guard.maybe_check(20) is not stop
+    assert guard.maybe_check(20) is stop  # the loop's budget check at the run's own step gets it, once
+    after = guard.maybe_check(20)
+    assert after is not stop and after.exit_code is None and "no budget reading" in after.reason
 
 
 def test_the_probe_lr_goes_from_the_runs_to_the_floor_in_the_1_sqrt_shape():

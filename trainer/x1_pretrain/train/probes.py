@@ -127,6 +127,8 @@ class CooldownProbes:
     def maybe_run(self, run: Any, step: int) -> None:
         if not self.pending or self.pending[0].fork != step:
             return
+        if D.agree(run.dist, int(run.stop.requested)):  # the run checkpoints now; the probe runs after the resume
+            return
         probe = self.pending.pop(0)
         start_lr = lr_at(probe.fork, run.cfg.optim, self.total, run.state.replans[-1] if run.state.replans else None)
         log.info("%s: forked at step %d, %d steps, lr %.2e -> %.2e (1-sqrt)", probe.name(), probe.fork, probe.steps,
