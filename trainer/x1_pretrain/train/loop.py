@@ -3,10 +3,11 @@
 
 The loop is `train_loop` below, in the order you would check it at hour 14: learning rate →
 forward/backward over the micro-batches → clip → optimizer step → log → eval (and, at a few
-shares of the run, a cooldown probe: train/probes.py) → checkpoint → budget → stop. Everything else is a component built by `setup` (setup.py: data, model,
-checkpointer, metrics, budget guard; components.py: what they are); on ranks other than 0 the
-logging components are no-op objects. resume.py says where a restarted run picks up, parser.py
-reads the command line and main.py runs it all.
+shares of the run, a cooldown probe: train/probes.py) → checkpoint → budget → stop. Everything
+else is a component built by `setup` (setup.py: data, model, checkpointer, metrics, budget guard;
+components.py: what they are); on ranks other than 0 the logging components are no-op objects.
+resume.py says where a restarted run picks up, parser.py reads the command line and main.py runs
+it all.
 
 Exit codes are the contract with the watchdog (x1_common.contracts.ExitCode): 0 finished, 75
 preempted (checkpoint written), 76 budget projection over the cap (checkpoint written), 77 spent
