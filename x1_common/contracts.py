@@ -490,6 +490,11 @@ MLFLOW_HOURS_NEEDED = "hours_needed"
 MLFLOW_VAL_LOSS = "val_loss"
 # Logged at each eval's step once the forecast has enough points
 MLFLOW_FORECAST_METRICS = ("forecast_val_loss", "forecast_val_loss_low", "forecast_val_loss_high")
+# Logged at the step each cooldown probe was forked from (train.cooldown_probes): its annealed val
+# loss, its length in steps and the seconds it took
+MLFLOW_PROBE_VAL_LOSS = "probe_val_loss"
+MLFLOW_PROBE_STEPS = "probe_steps"
+MLFLOW_PROBE_SECONDS = "probe_seconds"
 MLFLOW_SPIKE = "spike"  # 1.0 at a detected spike's step
 MLFLOW_SPIKE_INJECTED = "spike_injected"  # 1.0 at each injected step
 MLFLOW_NONFINITE = "nonfinite_step"  # 1.0 at a skipped (non-finite) step

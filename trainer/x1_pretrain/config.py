@@ -190,6 +190,16 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1, description="steps between metric logs", json_schema_extra=flag("--log-every"))
     eval_every: int = Field(1800, ge=1, description="steps between val evals", json_schema_extra=flag("--eval-every"))
     eval_windows: int = Field(128, ge=1, description="fixed val windows per eval (x seq_len tokens)")
+    cooldown_probes: tuple[float, ...] = Field(
+        (), description="shares of the run (e.g. [0.025, 0.05, 0.1]) at which a short cooldown is forked from the "
+        "run's weights, evaluated and dropped: an annealed point at the run's own size for the final-loss forecast "
+        "(docs/FORECAST.md). The run itself continues bit for bit as without them. Empty: off"
+    )
+    cooldown_probe_share: float = Field(
+        0.15, gt=0, le=1, description="a probe's length as a share of the steps (tokens) seen at its fork: Hägele et "
+        "al. 2024 find cooldowns of 10-20% land where a full schedule of that length would. Its learning rate goes "
+        "from the run's at the fork to optim.min_lr, the schedule's floor"
+    )
     expected_tokens_per_sec: float | None = Field(
         None, gt=0, description="tokens/s this run expects over all its GPUs: the figure "
         "you gave `plan --tokens-per-sec`. None: plan's figure for the GPU the trainer finds (accounting.py) x the "
@@ -243,6 +253,25 @@ class TrainConfig(_Section):
     @classmethod
     def _off(cls, v: object) -> object:
         return _yaml_word(v)
+
+    @field_validator("cooldown_probes", mode="after")
+    @classmethod
+    def _probe_shares(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [s for s in v if not 0 < s < 1]
+        if bad:
+            raise ValueError(f"each is a share of the run in (0, 1), got {bad[0]!r}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"a share is given twice: {list(v)}")
+        return tuple(sorted(v))
+
+    @model_validator(mode="after")
+    def _probes_within_run(self) -> TrainConfig:
+        late = [s for s in self.cooldown_probes if s * (1 + self.cooldown_probe_share) > 1]
+        if late:
+            raise ValueError(f"cooldown_probes: a probe at {late[0]:g} of the run, {self.cooldown_probe_share:g} x its "
+                             "steps long, would run past the run's last step; fork it earlier or shorten "
+                             "train.cooldown_probe_share")
+        return self
 
     @model_validator(mode="after")
     def _accumulation_needs_step_copies(self) -> TrainConfig:

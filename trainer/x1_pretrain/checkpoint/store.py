@@ -83,6 +83,7 @@ class TrainerState:
     rng: dict[str, Any] = field(default_factory=dict)
     spike: dict[str, Any] = field(default_factory=dict)  # detector EMA, injection bookkeeping
     forecast: dict[str, Any] = field(default_factory=dict)  # the forecast's curve so far and history (x1_pretrain.forecast)
+    probes: dict[str, Any] = field(default_factory=dict)  # the cooldown probes done, dropped, skipped (train/probes.py)
     nonfinite_in_row: int = 0
     train_seconds: float = 0.0  # wall seconds spent training, summed over restarts
     run_started: float = 0.0  # unix time of the run's first start (wall hours count from here)
@@ -129,7 +130,7 @@ class TrainerState:
 _STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "step": (int,), "tokens_seen": (int,), "config_hash": (str,), "config": (dict,), "sampler": (dict,),
     "mlflow_run_id": (str, type(None)), "world_size": (int,), "micro_batch_size": (int,), "rng": (dict,),
-    "spike": (dict,), "forecast": (dict,), "nonfinite_in_row": (int,), "train_seconds": (int, float),
+    "spike": (dict,), "forecast": (dict,), "probes": (dict,), "nonfinite_in_row": (int,), "train_seconds": (int, float),
     "run_started": (int, float), "restarts": (int,), "created_utc": (str,), "replans": (list,),
     "run_id": (str,), "corpus": (dict,), "changes": (list,), "declared_band": (dict,),
 }

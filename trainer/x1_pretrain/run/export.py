@@ -42,6 +42,9 @@ from x1_common.contracts import (
     MLFLOW_LOSS,
     MLFLOW_MFU,
     MLFLOW_PARAM_NORM,
+    MLFLOW_PROBE_SECONDS,
+    MLFLOW_PROBE_STEPS,
+    MLFLOW_PROBE_VAL_LOSS,
     MLFLOW_SPIKE,
     MLFLOW_SPIKE_INJECTED,
     MLFLOW_TOKENS_PER_SEC,
@@ -125,6 +128,14 @@ def run_uri_text(record: RunRecord) -> str:
         f"run_name: {record.run_name}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def probes_of(record: RunRecord) -> list[dict[str, float]]:
+    """The run's cooldown probes (train.cooldown_probes), from their MLflow metrics at each fork step:
+    the step, the probe's length, its annealed val loss and its seconds."""
+    steps, seconds = dict(record.get(MLFLOW_PROBE_STEPS)), dict(record.get(MLFLOW_PROBE_SECONDS))
+    return [{"step": s, "steps": int(steps[s]) if s in steps else None, "val_loss": v, "seconds": seconds.get(s)}
+            for s, v in record.get(MLFLOW_PROBE_VAL_LOSS)]
 
 
 def _join_by_step(a: Series, b: Series) -> list[tuple[float, float]]:
@@ -297,6 +308,7 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
                          "the cosine re-targeted from that step, its learning rate unchanged there"),
         "spikes": spike_summary(record),
         "forecast": forecast_of(record, train_cfg, val[1] if val else None),
+        "probes": probes_of(record),
         "final_weights": {"file": weights_copy.name, "sha256": sha256_file(weights_copy),
                           "bytes": weights_copy.stat().st_size, "source": str(weights.path), "step": weights.step,
                           "why": weights.why},

@@ -40,6 +40,7 @@ from x1_pretrain.train.accounting import (
     usd,
 )
 from x1_pretrain.train.forecast_rule import rule_text
+from x1_pretrain.train.schedule import probe_plan
 
 PROVIDER_DISPLAY = {"lambda": "Lambda", "runpod": "RunPod", "static": "on-prem"}
 # What each provider sells: Lambda on-demand instances only (no spot market); RunPod interruptible
@@ -95,6 +96,9 @@ class Plan:
     verdict: str  # "go" or "refuse"
     reasons: list[str] = field(default_factory=list)
     sentence: str = ""
+    probes: str = ""  # the cooldown probes' cost (train.cooldown_probes), counted in the proposed hours; "" when off
+    probe_hours: float = 0.0
+    probe_usd: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -163,12 +167,14 @@ def make_plan(
     # Its evals are counted as it counts them before measuring one: a forward over the eval tokens
     # at three times the training rate, every eval_every steps.
     eval_share = cfg.train.eval_windows * cfg.model.seq_len / (3.0 * cfg.train.tokens_per_step * cfg.train.eval_every)
-    step_s = cfg.train.tokens_per_step / tps * (1.0 + eval_share)
+    # Cooldown probes: their steps are a fixed share of the run's (each probe_share x its fork step).
+    probe_share = cfg.train.cooldown_probe_share * sum(cfg.train.cooldown_probes)
+    step_s = cfg.train.tokens_per_step / tps * (1.0 + eval_share + probe_share)
     fits = steps_that_fit(budget_usd - sum(extras.values()) - price_usd_per_hr * setup_hours, price_usd_per_hr,
                           step_s, cfg.budget.margin)
     if fits >= 1000:  # a round figure, as the trainer names one, with a little slack
         fits = fits // 100 * 100
-    bought = int(tokens // cfg.train.tokens_per_step)
+    bought = int(tokens // (cfg.train.tokens_per_step * (1.0 + probe_share)))  # the probes' steps take their share
     proposed = min(bought, fits)
     # What the proposed steps bill, setup included: --hours when they fill it, fewer when the budget binds.
     run_hours = hours if proposed == bought else setup_hours + proposed * step_s / 3600.0
@@ -197,8 +203,16 @@ def make_plan(
         if verdict == "go"
         else "Refused: " + "; ".join(reasons) + "."
     )
-    predicted = round(chinchilla_loss(counts["total"], tokens if proposed == bought else
+    predicted = round(chinchilla_loss(counts["total"], tokens / (1.0 + probe_share) if proposed == bought else
                                       proposed * cfg.train.tokens_per_step), 3)
+    probes = probe_plan(cfg.train.cooldown_probes, cfg.train.cooldown_probe_share, proposed)
+    probe_steps = sum(k for _, _, k in probes)
+    eval_s = cfg.train.eval_windows * cfg.model.seq_len / (3.0 * tps)
+    probe_hours = (probe_steps * cfg.train.tokens_per_step / tps + len(probes) * eval_s) / 3600.0
+    probe_text = "" if not probes else (
+        f"{len(probes)} at {', '.join(f'{share:.3g}' for share, _, _ in probes)} of the run: {probe_steps:,} steps "
+        f"({probe_steps / max(proposed, 1):.1%} of the run's) + {len(probes)} evals = ~{probe_hours:.2g} h = "
+        f"{usd(probe_hours * price_usd_per_hr)} at {usd(price_usd_per_hr)}/h, counted in the proposed steps' hours")
     return Plan(
         gpu=gpu,
         provider=provider,
@@ -235,6 +249,9 @@ def make_plan(
         verdict=verdict,
         reasons=reasons,
         sentence=sentence,
+        probes=probe_text,
+        probe_hours=round(probe_hours, 3),
+        probe_usd=round(probe_hours * price_usd_per_hr, 2),
     )
 
 
@@ -281,6 +298,8 @@ def render(plan: Plan, cfg: RunConfig) -> str:
                  + (f", {usd(plan.total_usd)} with the other lines" if plan.extras_usd else "") + ")")
 
     lines.append(rule_text(plan.proposed_total_steps, cfg.optim.warmup_steps, cfg.train.eval_every, cfg.train.log_every))
+    if plan.probes:
+        lines.append(f"Cooldown probes (train.cooldown_probes): {plan.probes}.")
     if plan.tokens_per_sec_source.startswith("given"):
         # The trainer's launch check and throughput floor otherwise use the table's figure for its GPU.
         lines.append(f"Give the trainer the same throughput: --expected-tokens-per-sec {plan.tokens_per_sec:g}")

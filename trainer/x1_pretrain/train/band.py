@@ -50,25 +50,27 @@ def ladder_prediction(path: str, cfg: RunConfig, meta: dict[str, Any]) -> tuple[
 
 
 def declared(recorded: dict[str, Any], ladder_path: str | None, flag_band: tuple[float, float] | None,
-             cfg: RunConfig, meta: dict[str, Any]) -> tuple[DeclaredBand, dict[str, Any]]:
-    """The run's band and what to record of it. A band recorded by an earlier start is kept."""
+             cfg: RunConfig, meta: dict[str, Any]) -> tuple[DeclaredBand, dict[str, Any], dict[str, Any] | None]:
+    """The run's band, what to record of it, and the ladder (checked to be this run's) where one was
+    given, for the forecast's prior. A band recorded by an earlier start is kept."""
+    ladder = prediction = None
+    if ladder_path:
+        ladder, prediction = ladder_prediction(ladder_path, cfg, meta)
     kept = DeclaredBand.from_dict(recorded)
     if kept is not None:
         asked = "--ladder" if ladder_path else "--band" if flag_band else None
         if asked and (kept.source != ("ladder" if ladder_path else "flag")):
-            log.warning("band: %s is not used: this run declared %s before its first step, and a band never "
-                        "changes afterwards", asked, kept.describe())
-        return kept, recorded
-    prediction = None
+            log.warning("band: %s is not used for the band: this run declared %s before its first step, and a band "
+                        "never changes afterwards", asked, kept.describe())
+        return kept, recorded, ladder
     record: dict[str, Any] = {}
-    if ladder_path:
-        ladder, prediction = ladder_prediction(ladder_path, cfg, meta)
+    if ladder is not None and prediction is not None:
         record = {"ladder": str(ladder_path), "ladder_prediction": prediction.as_dict(), "fit": {
             k: ladder["fit"][k] for k in ("E", "A", "B", "alpha", "beta", "n_convention")}}
         if flag_band is not None:
             log.warning("band: --band %g %g is not used: the ladder's band comes first", *flag_band)
     band = declare_band(prediction, flag_band)
-    return band, {**band.as_dict(), **record}
+    return band, {**band.as_dict(), **record}, ladder
 
 
 def log_declared(band: DeclaredBand, record: dict[str, Any], kept: bool) -> None:

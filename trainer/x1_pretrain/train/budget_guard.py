@@ -136,16 +136,22 @@ class Need:
     ckpt_s: float
     restarts_ahead: float  # the restarts so far, extrapolated over the steps left
     restart_s: float  # this process's start-up: setup, compile, warm-up, the slow first interval
+    probes_left: int = 0  # cooldown probes still ahead (train.cooldown_probes)
+    probe_steps: int = 0  # their steps, together
+    probe_s: float = 0.0  # their seconds, together: their steps and evals
+    probe_note: str = ""  # "measured" or how it is estimated
 
     @property
     def seconds(self) -> float:
         return (self.steps_left * self.seconds_per_step + self.evals_left * self.eval_s
-                + self.ckpts_left * self.ckpt_s + self.restarts_ahead * self.restart_s)
+                + self.ckpts_left * self.ckpt_s + self.restarts_ahead * self.restart_s + self.probe_s)
 
     def describe(self) -> str:
+        probes = (f" + {self.probes_left} probes of {self.probe_steps:,} steps = {self.probe_s:.2g} s ({self.probe_note})"
+                  if self.probes_left else "")
         return (f"{self.steps_left:,} steps x {self.seconds_per_step:.3g} s ({self.pace}) + {self.evals_left} evals x "
                 f"{self.eval_s:.2g} s ({self.eval_note}) + {self.ckpts_left} checkpoints x {self.ckpt_s:.2g} s + "
-                f"{self.restarts_ahead:.1f} restarts x {self.restart_s:.0f} s")
+                f"{self.restarts_ahead:.1f} restarts x {self.restart_s:.0f} s{probes}")
 
 
 def _count_due(after: int, upto: int, every: int) -> int:
@@ -162,14 +168,18 @@ class Pace:
     interval is measured, then the steady intervals of the last ROLLING_S seconds. On a machine
     with no plan figure (a CPU) there is no pace until that first steady interval.
     Overheads: the mean measured seconds per eval and per checkpoint times those still due (an
-    eval not yet measured: its tokens at three times the training rate, a forward only); and this
-    process's start-up times the restarts expected at the rate seen so far (none on a first start).
+    eval not yet measured: its tokens at three times the training rate, a forward only); this
+    process's start-up times the restarts expected at the rate seen so far (none on a first start);
+    and the cooldown probes still ahead (`probes`: (fork step, steps) each): their steps at the
+    seconds per probe step measured on the probes so far (an eval and the copies included), else at
+    the training pace plus an eval each.
     """
 
     def __init__(self, *, total_steps: int, tokens_per_step: int, eval_every: int, ckpt_every: int,
                  eval_tokens: int, start_step: int = 0, restarts: int = 0,
                  expected_tokens_per_sec: float | None = None, expected_source: str = "",
-                 started: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 started: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 probes: list[tuple[int, int]] | tuple[tuple[int, int], ...] = ()) -> None:
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
         self.eval_every, self.ckpt_every, self.eval_tokens = eval_every, ckpt_every, eval_tokens
         self.step, self.restarts = start_step, restarts
@@ -181,6 +191,12 @@ class Pace:
         self._steady_steps_total = 0
         self._pauses: dict[str, list[float]] = {"eval": [], "checkpoint": []}
         self._startup: tuple[float, int] | None = None  # (seconds from `started` to the first read, its steps)
+        self.probes = list(probes)
+        self._probed: list[tuple[int, float]] = []  # (steps, seconds) of the probes this process ran
+
+    def record_probe(self, steps: int, seconds: float) -> None:
+        """A probe's length and its seconds, copies and eval included."""
+        self._probed.append((steps, seconds))
 
     @property
     def measured(self) -> bool:
@@ -231,11 +247,18 @@ class Pace:
         if self._startup is not None:
             restart_s = max(0.0, self._startup[0] - self._startup[1] * sps)
         restarts_ahead = self.restarts * steps_left / step if step > 0 else 0.0
+        ahead = [k for fork, k in self.probes if fork > step]
+        if self._probed:
+            per_step = sum(s for _, s in self._probed) / max(sum(k for k, _ in self._probed), 1)
+            probe_s, probe_note = sum(ahead) * per_step, "measured"
+        else:
+            probe_s, probe_note = sum(ahead) * sps + len(ahead) * eval_s, "estimated: their steps at the pace + an eval"
         return Need(
             steps_left=steps_left, seconds_per_step=sps, pace=how,
             evals_left=_count_due(step, self.total_steps, self.eval_every), eval_s=eval_s, eval_note=eval_note,
             ckpts_left=_count_due(step, self.total_steps, self.ckpt_every) + (1 if steps_left else 0), ckpt_s=ckpt_s,
-            restarts_ahead=restarts_ahead, restart_s=restart_s,
+            restarts_ahead=restarts_ahead, restart_s=restart_s, probes_left=len(ahead), probe_steps=sum(ahead),
+            probe_s=probe_s, probe_note=probe_note,
         )
 
 
@@ -354,6 +377,7 @@ class BudgetGuard:
         self.planned_rate: float | None = cfg.planned_rate_usd_per_hr
         self.pace = pace  # the run's own pace; None: judged by the sidecar's projection alone
         self._step: int | None = None
+        self._held: Decision | None = None  # a stop found where the loop could not act on it (a cooldown probe)
         self._judged_measured = False  # the first measured pace is judged at once, not at the next due check
         # One alert per crossing: each flag is set when its alert goes out, cleared when the
         # condition clears, so a second crossing alerts again.
@@ -574,7 +598,11 @@ class BudgetGuard:
     def maybe_check(self, step: int | None = None) -> Decision:
         """Cheap enough for every optimizer step: reads only when check_every_min has passed, or
         when the run has just measured its first steady pace (judged at once: a run that cannot
-        finish stops in its first minutes, not half an hour later)."""
+        finish stops in its first minutes, not half an hour later). A decision held back (`hold`)
+        comes first."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         now = self.monotonic()
         if step is not None:
             self._step = step
@@ -586,6 +614,11 @@ class BudgetGuard:
             return Decision(Action.CONTINUE, None, "budget check not due", p.spent_usd, p.judged_usd, projection=p,
                             checked=False)
         return self.check(step)
+
+    def hold(self, decision: Decision) -> None:
+        """A stop decided during a cooldown probe: the probe is dropped, and the loop's next
+        maybe_check returns this decision, acted on at the run's own step."""
+        self._held = decision
 
     def check(self, step: int | None = None) -> Decision:
         """Read now and apply the rules in order."""
@@ -691,6 +724,9 @@ class NullGuard:
 
     def check(self, step: int | None = None) -> Decision:
         return self._OFF
+
+    def hold(self, decision: Decision) -> None:
+        pass
 
     def spent_usd_now(self) -> float | None:
         return None

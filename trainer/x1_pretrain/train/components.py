@@ -168,7 +168,7 @@ class Run:
     model: torch.nn.Module  # what the loop trains: compiled and/or DDP/FSDP2-wrapped
     optimizer: torch.optim.Optimizer
     batches: Any  # iterator of (step, micro, x, y) from data.Prefetcher
-    make_batches: Any  # (start_step, micro_batch, grad_accum) -> a fresh batches iterator
+    make_batches: Any  # (start_step, micro_batch, grad_accum[, end_step]) -> a fresh batches iterator
     warmup_batch: Any  # micro_batch -> (B, T+1) windows of the first step, to compile on
     val: np.ndarray
     checkpointer: Checkpointer
@@ -196,6 +196,7 @@ class Run:
     previous_heartbeat: Any = None  # what the process before this one left (a restart's downtime)
     first_step_logged: bool = False
     forecast: Any = None  # forecast.ForecastWatch: the final val loss the curve so far points to
+    probes: Any = None  # probes.CooldownProbes, or probes.NoProbes when train.cooldown_probes is empty
 
     @property
     def micro_batch(self) -> int:

@@ -2,11 +2,12 @@
 (docs/DESIGN.md §3, §5), and the step.
 
 The loop is `train_loop` below, in the order you would check it at hour 14: learning rate →
-forward/backward over the micro-batches → clip → optimizer step → log → eval → checkpoint →
-budget → stop. Everything else is a component built by `setup` (setup.py: data, model,
-checkpointer, metrics, budget guard; components.py: what they are); on ranks other than 0 the
-logging components are no-op objects. resume.py says where a restarted run picks up, parser.py
-reads the command line and main.py runs it all.
+forward/backward over the micro-batches → clip → optimizer step → log → eval (and, at a few
+shares of the run, a cooldown probe: train/probes.py) → checkpoint → budget → stop. Everything
+else is a component built by `setup` (setup.py: data, model, checkpointer, metrics, budget guard;
+components.py: what they are); on ranks other than 0 the logging components are no-op objects.
+resume.py says where a restarted run picks up, parser.py reads the command line and main.py runs
+it all.
 
 Exit codes are the contract with the watchdog (x1_common.contracts.ExitCode): 0 finished, 75
 preempted (checkpoint written), 76 budget projection over the cap (checkpoint written), 77 spent
@@ -112,6 +113,7 @@ def train_loop(run: Run) -> int:
         if step % cfg.train.eval_every == 0 or step == total:
             with run.throughput.pause("eval"):
                 forecast_code = D.agree(run.dist, judge_forecast(run, step, evaluate(run, step)))
+        run.probes.maybe_run(run, step)  # a short cooldown forked from here, evaluated, dropped: the run unchanged
 
         # 7. checkpoint
         if step % cfg.checkpoint.every == 0 or step == total:
@@ -210,7 +212,7 @@ def forward_backward(run: Run, model: torch.nn.Module, x: torch.Tensor, y: torch
 
 
 @torch.no_grad()
-def evaluate(run: Run, step: int) -> float:
+def mean_val_loss(run: Run) -> float:
     """Mean loss over the fixed val windows, on the uncompiled model (no recompile for eval)."""
     model = run.raw_model
     model.eval()
@@ -220,7 +222,12 @@ def evaluate(run: Run, step: int) -> float:
         with run.autocast():
             losses.append(model(w[:, :-1], w[:, 1:]).float() * w.size(0))
     model.train()
-    val_loss = (torch.stack(losses).sum() / len(run.val)).item()
+    return (torch.stack(losses).sum() / len(run.val)).item()
+
+
+def evaluate(run: Run, step: int) -> float:
+    """The eval: the val loss, logged to MLflow, /metrics and the log."""
+    val_loss = mean_val_loss(run)
     run.sink.log(step, {MLFLOW_VAL_LOSS: val_loss})
     run.sink.prom.val_loss.set(val_loss)
     log.info("step %d val_loss %.4f", step, val_loss)
@@ -253,6 +260,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     if run.dist.is_main:
         run.state.spike = run.detector.state()
         run.state.forecast = run.forecast.state()
+        run.state.probes = run.probes.state()
         # Windows are a pure function of (seed, step, sample index): the step is the position.
         run.state.sampler = {"seed": run.cfg.train.seed, "next_step": step}
         run.state.rng = capture_rng()

@@ -37,3 +37,28 @@ def lr_at(step: int, cfg, total_steps: int, replan: dict[str, Any] | None = None
     if progress is None:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cooldown probes (x1_pretrain.train.probes): short cooldowns forked from the run at a few shares of it
+
+
+def probe_plan(shares: list[float] | tuple[float, ...], probe_share: float,
+               total_steps: int) -> list[tuple[float, int, int]]:
+    """(share, fork step, cooldown steps) of each probe: forked at round(share x total_steps), cooling
+    down over probe_share x the steps so far (at least 1, and not past the run's last step). Probes
+    that fall on step 0 or on the last step, or on the same step as an earlier one, are left out."""
+    plan: list[tuple[float, int, int]] = []
+    for share in sorted(shares):
+        fork = round(share * total_steps)
+        if 0 < fork < total_steps and all(fork != f for _, f, _ in plan):
+            plan.append((share, fork, min(max(round(probe_share * fork), 1), total_steps - fork)))
+    return plan
+
+
+def probe_lr(j: int, steps: int, start_lr: float, floor: float) -> float:
+    """The learning rate of a probe's j-th step (j = 0..steps-1): from start_lr down to the floor at
+    its last step in the (1-sqrt) shape of Hägele et al. 2024 ("Scaling Laws and Compute-Optimal
+    Training Beyond Fixed Training Durations", arXiv 2405.18392), which lands lower than a linear
+    cooldown of the same length."""
+    return floor + (start_lr - floor) * (1.0 - math.sqrt((j + 1) / steps))

@@ -42,15 +42,22 @@ from x1_pretrain.ops.kernels import addmm_into_fp32
 from x1_pretrain.ops.losses import fused_available
 from x1_pretrain.train import distributed as D
 from x1_pretrain.train import preflight, provenance
-from x1_pretrain.train.accounting import detect_gpu_key, expected_tokens_per_sec, flops_per_token, fmt_count
+from x1_pretrain.train.accounting import (
+    detect_gpu_key,
+    expected_tokens_per_sec,
+    flops_per_token,
+    fmt_count,
+    param_counts,
+)
 from x1_pretrain.train.band import BandError, log_declared
 from x1_pretrain.train.band import declared as declared_band
 from x1_pretrain.train.band import tag as band_tag
 from x1_pretrain.train.budget_guard import BudgetGuard, Pace
 from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfigError, Run, StopSignal, Throughput
-from x1_pretrain.train.forecast import ForecastError, ForecastWatch
+from x1_pretrain.train.forecast import ForecastError, ForecastWatch, prior_from_ladder
 from x1_pretrain.train.lease import take_trainer_lease
 from x1_pretrain.train.loop import forward_backward
+from x1_pretrain.train.probes import CooldownProbes
 from x1_pretrain.train.resume import check_provenance, load_optimizer, resume_point, write_budget_stop
 from x1_pretrain.train.spikes import SpikeDetector, SpikeInjector
 from x1_pretrain.train.tracking import Heartbeat, MetricsSink, MlflowLogger, NullSink, PrometheusMetrics
@@ -83,8 +90,10 @@ def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -
 
 
 def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool,
-                   band: tuple[float, float]):
-    """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept."""
+                   band: tuple[float, float], ladder: dict[str, Any] | None = None):
+    """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept, judged
+    against the run's declared band; with `ladder` (a ladder.json already checked to be this run's),
+    its prediction and shape priors."""
     alerts = None
     if is_main:
         try:
@@ -92,9 +101,13 @@ def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState
         except ValueError as e:
             raise ConfigError(f"alerts: {e}") from None
     try:
+        counts = param_counts(cfg.model)
+        prior = None if ladder is None else prior_from_ladder(
+            ladder, counts["total"], cfg.train.total_steps * cfg.train.tokens_per_step, counts["non_embedding"],
+            flops_per_token(cfg.model))
         return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
                                      band=band, stop_outside=args.stop_when_forecast_misses_band,
-                                     alerts=alerts)
+                                     alerts=alerts, ladder=prior)
     except ForecastError as e:
         raise DataOrConfigError(f"forecast: {e}") from None
 
@@ -435,7 +448,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     replanned = loaded is not None and loaded.replanned
     try:
         kept = bool(state.declared_band)
-        band, state.declared_band = declared_band(state.declared_band, args.ladder, args.forecast_band, cfg, tokens.meta)
+        band, state.declared_band, ladder = declared_band(state.declared_band, args.ladder, args.forecast_band, cfg,
+                                                          tokens.meta)
     except BandError as e:
         raise DataOrConfigError(str(e)) from None
     if d.is_main:
@@ -447,13 +461,14 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     # step known, the guard also judges whether the steps left can finish under the cap at the
     # plan's throughput for this GPU (on a CPU there is none: the first steady interval decides).
     expected = expected_throughput(cfg, d.device, d.world_size)
+    probes = CooldownProbes.for_run(cfg, state.probes, state.step)
     pace = Pace(total_steps=cfg.train.total_steps, tokens_per_step=cfg.train.tokens_per_step,
                 eval_every=cfg.train.eval_every, ckpt_every=cfg.checkpoint.every,
                 eval_tokens=cfg.train.eval_windows * cfg.model.seq_len, start_step=state.step,
                 # a re-plan's stop was planned: only interruptions are extrapolated over the steps left
                 restarts=max(state.restarts - len(state.replans), 0),
                 expected_tokens_per_sec=expected[0] if expected else None,
-                expected_source=expected[1] if expected else "", started=started)
+                expected_source=expected[1] if expected else "", started=started, probes=probes.ahead())
     pre = guard.prelaunch(pace)
     if pre.exit_code == ExitCode.LAUNCH_REFUSED and pre.fits_steps is not None and state.step > 0 and d.is_main:
         # A resume refused for its projection: the same re-plan as after a budget stop continues it.
@@ -503,11 +518,11 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     samples_per_step = cfg.train.tokens_per_step // cfg.model.seq_len
     sampler = data_mod.WindowSampler(tokens.train, cfg.model.seq_len, cfg.train.seed, samples_per_step)
 
-    def make_batches(start: int, micro_batch: int, accum: int):
+    def make_batches(start: int, micro_batch: int, accum: int, end: int | None = None):
         def source(step: int, micro: int) -> np.ndarray:
             return sampler.windows(step, data_mod.micro_batch_indices(micro, d.rank, micro_batch, d.world_size))
 
-        keys = ((s, m) for s in range(start, cfg.train.total_steps) for m in range(accum))
+        keys = ((s, m) for s in range(start, end or cfg.train.total_steps) for m in range(accum))
         return BatchStream(data_mod.Prefetcher(source, keys, d.device, depth=cfg.data.prefetch,
                                                pin_memory=cfg.data.pin_memory and d.device.type == "cuda"))
 
@@ -522,7 +537,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
     run.previous_heartbeat = previous_heartbeat
-    run.forecast = forecast_watch(args, cfg, state, d.is_main, (band.low, band.high))
+    run.forecast = forecast_watch(args, cfg, state, d.is_main, (band.low, band.high), ladder)
+    run.probes = probes
     run.bf16_weights = bf16_weights(cfg, d, raw)
     if loaded is not None:
         run.last_saved_step = state.step  # that checkpoint exists: a SIGTERM now need not rewrite it
