@@ -5,10 +5,10 @@
     python3 bench/ladder_accuracy.py targets --data D --work W --names T1,T2 [--probes 0.025,0.05,0.1]
     python3 bench/ladder_accuracy.py table   --work W                  # predicted [interval] vs actual
 
-The targets are the lab's model (configs/x1-50m-a100.yaml: 88.9M parameters) at 16,384 tokens a
-step, 2,000 to 4,000 steps with warm-ups of 100 to 400: four held-out runs, each larger in N and
-D than every rung, trained by the trainer with `--ladder` (its band and its forecast's prior come
-from the ladder). The ladder is planned with `--max-flops`: its rungs, the learning-rate check
+The targets are the lab's model (configs/x1-50m-a100.yaml: 88.9M parameters) at 12,288 tokens a
+step, 2,000 to 3,000 steps with warm-ups of 100 to 300: four held-out runs, each larger in N and
+D than every rung, trained by the trainer (T4 with `--ladder`: its band and its forecast's prior
+come from the ladder; the others' forecasts with the ladder are replayed from their curves). The ladder is planned with `--max-flops`: its rungs, the learning-rate check
 included, add up to 4.5% of the four targets' training compute (under the 5% it may cost). The
 corpus is every distinct .py file of the machine's Python (standard library and site-packages,
 `python -m x1_pretrain.corpus installed-source`): real text, code and docstrings, no download.
@@ -31,10 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 CONFIG = "configs/x1-50m-a100.yaml"
-TOKENS_PER_STEP = 16384
-COMMON_SETS = [f"train.tokens_per_step={TOKENS_PER_STEP}", "train.micro_batch_size=16"]
-# name -> (steps, warm-up)
-TARGETS = {"T1": (2000, 100), "T2": (2600, 200), "T3": (3200, 300), "T4": (4000, 400)}
+TOKENS_PER_STEP = 12288
+COMMON_SETS = [f"train.tokens_per_step={TOKENS_PER_STEP}", "train.micro_batch_size=12"]
+# name -> (steps, warm-up). T1c is T1 without cooldown probes: the probes' effect on the GPU run.
+TARGETS = {"T1": (2000, 100), "T2": (2300, 150), "T3": (2600, 250), "T4": (3000, 300)}
+CONTROLS = {"T1c": "T1"}
 LADDER_SHARE_OF_TARGETS = 0.045  # of the targets' training compute (the goal: at most 5%)
 FLOPS_PER_TOKEN = 609.07e6  # the 50M config's (x1_pretrain.train.accounting.flops_per_token)
 
@@ -79,7 +80,7 @@ def targets_compute() -> float:
 def cmd_ladder(args: argparse.Namespace) -> int:
     work = Path(args.work)
     folder = work / "ladder"
-    steps, warmup = TARGETS["T4"]
+    steps, warmup = TARGETS["T4"]  # the largest target: the rungs' recipe is scaled from it
     sets = [x for s in [*COMMON_SETS, f"optim.warmup_steps={warmup}"] for x in ("--set", s)]
     flops = LADDER_SHARE_OF_TARGETS * targets_compute() * args.scale
     argv = [sys.executable, "-m", "x1_pretrain.ladder", "run", "--dir", str(folder), "--config", CONFIG, *sets,
@@ -98,10 +99,10 @@ def cmd_targets(args: argparse.Namespace) -> int:
     work = Path(args.work)
     procs = []
     for name in args.names.split(","):
-        steps, warmup = TARGETS[name] if not args.steps else (args.steps, args.warmup)
+        steps, warmup = TARGETS[CONTROLS.get(name, name)] if not args.steps else (args.steps, args.warmup)
         d = work / "targets" / name
         sets = [*COMMON_SETS, f"optim.warmup_steps={warmup}"]
-        if args.probes:
+        if args.probes and name not in CONTROLS:
             sets.append(f"train.cooldown_probes=[{args.probes}]")
         argv = [sys.executable, "-m", "x1_pretrain.train", "--config", CONFIG, *[x for s in sets for x in ("--set", s)],
                 "--data-dir", args.data, "--ckpt-dir", str(d / "ckpt"), "--mlflow-uri", f"file://{(work / 'mlruns').resolve()}",
