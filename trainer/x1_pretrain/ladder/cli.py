@@ -192,6 +192,76 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# step: the ladder as the stack's step before the main run, from the trainer's own command line
+
+
+def gpu_here() -> str | None:
+    """The plan-table key of the GPU this process sees, None without one."""
+    import torch
+
+    from x1_pretrain.train.accounting import detect_gpu_key
+
+    return detect_gpu_key(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+
+
+def price_now(cost_uri: str | None) -> float | None:
+    """$/h as the sidecar last read it (budget.json), where there is a reading."""
+    from x1_common.contracts import read_budget_file
+
+    if not cost_uri or "://" in cost_uri:
+        return None
+    try:
+        return read_budget_file(cost_uri).rate_usd_per_hr or None
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_step(args: argparse.Namespace) -> int:
+    """The trainer's arguments in, the ladder run for that run out (DIR/ladder.json), once: a
+    folder that already holds ladder.json is done and says so. Then the stack starts the trainer
+    with --ladder DIR/ladder.json (trainer/entrypoint.sh)."""
+    from x1_pretrain.ladder.run import run
+    from x1_pretrain.train.parser import build_parser as trainer_parser
+    from x1_pretrain.train.parser import config_from_args
+
+    folder = Path(args.dir)
+    if (folder / LADDER_FILE).exists():
+        print(f"ladder: {folder / LADDER_FILE} is there: the main run takes its band and its forecast's prior from it")
+        return 0
+    targs = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
+    try:
+        t = trainer_parser().parse_args(targs)
+        cfg = config_from_args(t)
+    except SystemExit as e:  # argparse has said what is wrong
+        return int(e.code or 2)
+    except (ConfigError, OSError) as e:
+        raise UsageError(str(e)) from None
+    b = cfg.budget
+    if (folder / PLAN_FILE).exists():
+        plan, extra = load_plan(folder)
+    else:
+        gpu = gpu_here() or args.gpu
+        price = price_now(b.curr_cost_uri) or args.price_usd_per_hr
+        ns = argparse.Namespace(config=t.config, set=list(t.set), data_dir=cfg.data.dir, gpu=gpu, provider=args.provider,
+                                price_usd_per_hr=price, budget_usd=b.cap_usd or args.budget_usd, hours=args.hours,
+                                total_steps=cfg.train.total_steps, share=args.share, sizes=args.sizes,
+                                budgets=args.budgets, no_lr_sweep=args.no_lr_sweep, jobs=args.jobs,
+                                concurrency_gain=args.concurrency_gain, tokens_per_sec=cfg.train.expected_tokens_per_sec,
+                                smallest_width=args.smallest_width, tokens_per_param=args.tokens_per_param,
+                                max_flops=args.max_flops)
+        plan, extra = plan_from_args(ns)
+        print(render(plan))
+        if plan.verdict != "go":
+            return int(ExitCode.LAUNCH_REFUSED)
+        write_plan(folder, plan, extra)
+    settings = Settings(folder=folder, config=extra["config"], sets=extra["sets"], data_dir=extra["data_dir"],
+                        mlflow_uri=cfg.tracking.mlflow_uri, jobs=plan.jobs, cap_usd=b.cap_usd,
+                        cost_uri=b.curr_cost_uri if b.cap_usd is not None else None, alert_usd=b.alert_usd,
+                        heartbeat=Path(cfg.tracking.heartbeat_file))
+    return run(plan, settings, fit_when_done=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # fit, predict, report
 
 
@@ -349,6 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget-alert-usd", type=positive, help="the alert line the rungs' guards use")
     sp.add_argument("--no-fit", action="store_true", help="train only; fit later with `ladder fit`")
     sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("step", help="the stack's step before the main run: the ladder for the trainer's own arguments",
+                        description="Plan (from the trainer's arguments, this GPU and the sidecar's price) and run "
+                                    "the ladder into DIR, then fit it: the stack runs this before the main run when "
+                                    ".env has LADDER=1, and starts the trainer with --ladder DIR/ladder.json. Done "
+                                    "when DIR holds ladder.json.")
+    sp.add_argument("--dir", default=DEFAULT_DIR, help=f"the ladder's folder (default {DEFAULT_DIR})")
+    add_plan_flags(sp, required=False)
+    sp.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
+    sp.set_defaults(func=cmd_step)
 
     sp = sub.add_parser("fit", help="fit the law to a rungs file; write ladder.json",
                         description="Fit L(N, D) = E + A/N^alpha + B/D^beta to RUNGS.json (a list of objects with at "

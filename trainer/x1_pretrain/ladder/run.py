@@ -37,16 +37,17 @@ from x1_common.contracts import (
     PHASE_STOPPED,
     PHASE_TRAINING,
     ExitCode,
-    Heartbeat,
     format_utc,
     read_budget_file,
     read_json_file,
     utc_now,
 )
+from x1_common.contracts import Heartbeat as HeartbeatFile
 from x1_common.fsutil import write_json_atomic
 from x1_common.lease import LEASE_FILE, Lease, LeaseKind, Owner
 from x1_pretrain.ladder.plan import LadderPlan, RungSpec
 from x1_pretrain.train.accounting import fmt_count, usd
+from x1_pretrain.train.tracking import Heartbeat
 
 log = logging.getLogger("x1.ladder")
 
@@ -75,6 +76,7 @@ class Settings:
     alert_usd: float | None = None
     python: str = sys.executable
     extra_args: list[str] = field(default_factory=list)
+    heartbeat: Path | None = None  # a second heartbeat: the trainer's, which the stack's watchdog reads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +198,7 @@ def start(spec: RungSpec, s: Settings, parent_run_id: str | None) -> Running:
 
 
 def rung_step(folder: Path, name: str) -> int:
-    hb = Heartbeat.read(rung_dir(folder, name) / "heartbeat.json")
+    hb = HeartbeatFile.read(rung_dir(folder, name) / "heartbeat.json")
     return hb.step if hb is not None else 0
 
 
@@ -340,7 +342,7 @@ def _run(plan: LadderPlan, s: Settings, fit_when_done: bool) -> int:
     spent0 = _spent(s)
     record.setdefault("spent_at_start_usd", spent0)
     write_json_atomic(record_path, record)
-    hb = s.folder / HEARTBEAT_FILE
+    hb = [Heartbeat(s.folder / HEARTBEAT_FILE), *([Heartbeat(s.heartbeat)] if s.heartbeat else [])]
     done = read_rungs(s.folder)
     finished = {d["name"] for d in done}
     pending = [r for r in plan.rungs if r.name not in finished]
@@ -452,10 +454,13 @@ def _spent(s: Settings) -> float | None:
         return None
 
 
-def _beat(path: Path, done: list[dict[str, Any]], running: dict[str, Running], folder: Path, phase: str) -> None:
-    """The ladder's heartbeat, in the trainer's format: its step is every rung's steps so far,
-    so the watchdog's stall detector sees the ladder move while any rung does."""
+def _beat(beats: list[Heartbeat], done: list[dict[str, Any]], running: dict[str, Running], folder: Path,
+          phase: str) -> None:
+    """The ladder's heartbeat, the trainer's own (x1_pretrain.train.tracking): its step is every
+    rung's steps so far, so the watchdog's stall detector sees the ladder move while any rung does.
+    The trainer's heartbeat file, where the stack gives one, says `startup` once the ladder ends:
+    what comes next is the trainer's start, not a finished or stopped run of its own."""
     steps = sum(int(d.get("schedule", {}).get("total_steps") or 0) for d in done)
     steps += sum(rung_step(folder, name) for name in running)
-    with contextlib.suppress(OSError):
-        write_json_atomic(path, {"step": steps, "time": time.time(), "pid": os.getpid(), "phase": phase})
+    for i, hb in enumerate(beats):
+        hb.beat(steps, phase if i == 0 or phase == PHASE_TRAINING else PHASE_STARTUP)
