@@ -1075,6 +1075,61 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# x1 ladder: the scaling ladder on the instance, from here (this machine has neither torch nor SciPy)
+
+LADDER_HELP = """x1 ladder [--instance ID] [--state-dir DIR] COMMAND [ARGS]
+
+The scaling ladder of the run on the instance (python -m x1_pretrain.ladder there, over SSH). With
+LADDER=1 in .env the stack runs it by itself after the data is prepared and before the main run,
+under the same watchdog and budget; these follow and use it:
+
+  x1 ladder status             rungs done, ETA and dollars, as the ladder's own progress line
+  x1 ladder report             ladder.md (and ladder.png there) from the fitted law
+  x1 ladder predict --params N --tokens D     the law's val loss and interval, one JSON line
+  x1 ladder fetch [--output DIR]              the ladder's folder copied here (default x1-runs/<instance>/ladder)
+  x1 ladder plan|run|fit ...   the ladder's own commands, run there (python -m x1_pretrain.ladder --help)
+
+The ladder's folder there is the workspace's ladder/; --dir and --ladder default to it.
+"""
+
+
+def cmd_ladder(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="x1 ladder", usage=LADDER_HELP, add_help=False)
+    p.add_argument("--instance")
+    p.add_argument("--state-dir", type=Path)
+    p.add_argument("--output", type=Path)
+    p.add_argument("-h", "--help", action="store_true")
+    args, rest = p.parse_known_args(argv)
+    if args.help or not rest:
+        print(LADDER_HELP)
+        return 0 if args.help else int(ExitCode.USAGE)
+    state = StateDir.choose(args.state_dir)
+    rec = state.load(args.instance)
+    r = remote_for(state, rec)
+    layout = layout_of(rec)
+    folder = f"{rec.workspace.rstrip('/')}/ladder"
+    command, rest = rest[0], rest[1:]
+    if command == "fetch":
+        output = (args.output or default_output(rec) / "ladder").resolve()
+        output.parent.mkdir(parents=True, exist_ok=True)
+        r.get_dir(rec.workspace, "ladder", output.parent)
+        print(f"fetched {folder} to {output.parent / 'ladder'}")
+        return 0
+    defaults: list[str] = []
+    if command in ("status", "run", "step") and "--dir" not in rest:
+        defaults = ["--dir", folder]
+    elif command in ("predict", "report") and "--ladder" not in rest:
+        defaults = ["--ladder", f"{folder}/ladder.json"]
+    elif command == "plan" and "--out" not in rest:
+        defaults = ["--out", folder]
+    words = " ".join(shlex.quote(w) for w in [command, *defaults, *rest])
+    try:
+        return subprocess.call([*r.argv(), layout.python(f"x1_pretrain.ladder {words}")])
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 DESCRIPTION = """\
@@ -1093,6 +1148,7 @@ From a laptop to a terminated instance and a run folder on disk, for the X1 run 
   x1 down      the stack stopped, the run folder fetched, the instance terminated and read back
                until the provider shows it terminated, kept as termination.json in the fetched
                folder (check 6); --provider P --instance ID: an instance with no record here
+  x1 ladder    the run's scaling ladder on the instance: status, report, predict, fetch (x1 ladder --help)
 
 The API key comes from LAMBDA_API_KEY or RUNPOD_API_KEY and is never printed nor logged. Local
 records: ~/.x1 (--state-dir, X1_STATE_DIR); a launch writes its record before the create call, so
@@ -1106,7 +1162,7 @@ command that ends it are printed).
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="x1", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{plan,launch,status,logs,fetch,down}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{plan,launch,status,logs,fetch,down,ladder}")
 
     def common(sp: argparse.ArgumentParser, instance: bool = True) -> None:
         sp.add_argument("--state-dir", type=Path, help="where x1 keeps its records (default ~/.x1, or $X1_STATE_DIR)")
@@ -1120,6 +1176,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--api-url", help="with --provider: its base URL (default: the real API)")
 
     sub.add_parser("plan", help="today's plan: python -m x1_pretrain.plan's options (x1 plan --help)", add_help=False)
+    sub.add_parser("ladder", help="the run's scaling ladder on the instance (x1 ladder --help)", add_help=False)
 
     sp = sub.add_parser("launch", help="rent the instance and start the run on it",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1203,6 +1260,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:  # every option after `plan` is the plan's own (its --help included)
         return cmd_plan(argparse.Namespace(plan_args=argv[1:]))
+    if argv[:1] == ["ladder"]:  # the ladder's own commands, run on the instance
+        try:
+            return cmd_ladder(argv[1:])
+        except (UsageError, StateError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return int(ExitCode.USAGE)
+        except (SSHError, subprocess.TimeoutExpired) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("max_price_usd_per_hr", "every_minutes", "boot_timeout", "start_timeout", "watchdog_poll_seconds",

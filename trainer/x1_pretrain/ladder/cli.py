@@ -191,6 +191,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(plan, settings, fit_when_done=not args.no_fit)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Where the ladder in DIR stands: its plan, the rungs done, those under way, the fit."""
+    from x1_pretrain.ladder.run import RUN_FILE, rung_dir, rung_step
+
+    folder = Path(args.dir)
+    if not (folder / PLAN_FILE).exists():
+        raise UsageError(f"{folder}: no ladder here (no {PLAN_FILE})")
+    plan, _ = load_plan(folder)
+    done = {r["name"]: r for r in read_rungs(folder)}
+    record = read_json_file(folder / RUN_FILE) if (folder / RUN_FILE).exists() else {}
+    print(plan.sentence)
+    for r in plan.rungs:
+        if r.name in done:
+            d = done[r.name]
+            loss = "diverged" if d.get("diverged") else f"final val loss {d['final_val_loss']:.4f}"
+            print(f"  {r.name:<22} done      {loss} ({d.get('wall_seconds', 0):.0f} s)")
+        elif rung_dir(folder, r.name).exists():
+            print(f"  {r.name:<22} started   step {rung_step(folder, r.name)}/{r.recipe['total_steps']}")
+        else:
+            print(f"  {r.name:<22} pending")
+    spent = record.get("spent_usd")
+    print(f"rungs    {len(done)}/{len(plan.rungs)} done" + (f"; ${spent:.2f} spent" if isinstance(spent, (int, float)) else ""))
+    if (folder / LADDER_FILE).exists():
+        print(summary(read_json_file(folder / LADDER_FILE), folder / LADDER_FILE))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # step: the ladder as the stack's step before the main run, from the trainer's own command line
 
@@ -419,6 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget-alert-usd", type=positive, help="the alert line the rungs' guards use")
     sp.add_argument("--no-fit", action="store_true", help="train only; fit later with `ladder fit`")
     sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("status", help="where the ladder in DIR stands: rungs done and under way, the fit")
+    sp.add_argument("--dir", default=DEFAULT_DIR, help=f"the ladder's folder (default {DEFAULT_DIR})")
+    sp.set_defaults(func=cmd_status)
 
     sp = sub.add_parser("step", help="the stack's step before the main run: the ladder for the trainer's own arguments",
                         description="Plan (from the trainer's arguments, this GPU and the sidecar's price) and run "
