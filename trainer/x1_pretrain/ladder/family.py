@@ -40,11 +40,11 @@ def model_family(m: ModelConfig) -> str:
     return m.family
 
 
-MIN_HEAD_DIM = 32  # a power of two, as the target's: the fused RoPE kernel works on half a head a lane
+MIN_HEAD_DIM = 16  # a power of two, as the target's: the fused RoPE kernel works on half a head a lane
 
 
 def _head_dim(d_model: int, groups: int, preferred: int) -> int:
-    """The target's head dim where the width allows it, else the largest power of two >= 32 that does
+    """The target's head dim where the width allows it, else the largest power of two >= 16 that does
     (the fused RoPE kernel takes power-of-two head dims only)."""
     hd = preferred
     while hd >= min(MIN_HEAD_DIM, preferred):
@@ -69,21 +69,16 @@ def scaled_model(target: ModelConfig, d_model: int) -> ModelConfig:
 
 
 def widths_for(target: ModelConfig, count: int, smallest: int | None = None) -> list[int]:
-    """`count` widths below the target's, evenly spaced on a log scale from `smallest` (default: an
-    eighth of the target's, at least one head group) up to half the target's width, each a whole
-    number of head groups of a power-of-two head dim."""
+    """The `count` largest widths below the target's whose key/value width (d_model / query heads
+    per kv head) is a power of two, as the fused attention kernels need (the 50M model's 256): for
+    the 50M model 48, 96, 192 and 384. `smallest` raises the floor."""
     groups = target.n_head // target.n_kv_head
-    step = min(MIN_HEAD_DIM, target.head_dim) * groups  # every width a multiple of it has a head dim that works
-    lo = smallest or max(step, target.d_model // 8)
-    hi = max(lo + step * (count - 1), target.d_model // 2)
-    out: list[int] = []
-    for i in range(count):
-        w = lo * (hi / lo) ** (i / max(1, count - 1))
-        w = max(step, int(round(w / step)) * step)
-        while w in out:
-            w += step
-        out.append(w)
-    return out
+    widths, w = [], groups * 16
+    while w < target.d_model:
+        if w >= (smallest or 0):
+            widths.append(w)
+        w *= 2
+    return widths[-count:]
 
 
 @dataclass(frozen=True)

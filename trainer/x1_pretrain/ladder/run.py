@@ -345,7 +345,8 @@ def _run(plan: LadderPlan, s: Settings, fit_when_done: bool) -> int:
     hb = [Heartbeat(s.folder / HEARTBEAT_FILE), *([Heartbeat(s.heartbeat)] if s.heartbeat else [])]
     done = read_rungs(s.folder)
     finished = {d["name"] for d in done}
-    pending = [r for r in plan.rungs if r.name not in finished]
+    # The longest first: the ladder's wall time is then close to its GPU time over --jobs.
+    pending = sorted((r for r in plan.rungs if r.name not in finished), key=lambda r: -r.seconds)
     if finished:
         log.info("ladder: %d rung(s) already done (%s): kept, not rerun", len(finished), ", ".join(sorted(finished)))
     running: dict[str, Running] = {}

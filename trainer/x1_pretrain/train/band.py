@@ -58,8 +58,11 @@ def declared(recorded: dict[str, Any], ladder_path: str | None, flag_band: tuple
         ladder, prediction = ladder_prediction(ladder_path, cfg, meta)
     kept = DeclaredBand.from_dict(recorded)
     if kept is not None:
-        asked = "--ladder" if ladder_path else "--band" if flag_band else None
-        if asked and (kept.source != ("ladder" if ladder_path else "flag")):
+        differs = (kept.source != "ladder" or (prediction is not None and (prediction.low, prediction.high) !=
+                                                (kept.low, kept.high))) if ladder_path else \
+            flag_band is not None and (kept.source != "flag" or tuple(flag_band) != (kept.low, kept.high))
+        if differs:
+            asked = "--ladder" if ladder_path else f"--band {flag_band[0]:g} {flag_band[1]:g}"  # type: ignore[index]
             log.warning("band: %s is not used for the band: this run declared %s before its first step, and a band "
                         "never changes afterwards", asked, kept.describe())
         return kept, recorded, ladder
