@@ -48,7 +48,7 @@ from x1_launch.remote import STACKS, Layout
 from x1_launch.ssh import Remote, SSHError
 from x1_launch.state import InstanceRecord, StateDir, StateError, utc_now
 from x1_pretrain.run.plan import main as plan_main
-from x1_pretrain.stack.services import DEFAULTS, SettingsError, read_env_file
+from x1_pretrain.stack.services import DEFAULTS, SettingsError, load_env_file
 from x1_pretrain.stack.status import describe_decision
 
 PROVIDER_DISPLAY = {"lambda": "Lambda", "runpod": "RunPod"}
@@ -195,12 +195,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def user_settings(env_file: Path | None) -> dict[str, str]:
+    """The .env's values, checked as the stack and compose check them: a key X1 does not read (and
+    the nearest it does) or a value of the wrong type is refused before anything is rented."""
     if env_file is None:
         return {}
     try:
-        return read_env_file(env_file)
+        values, warnings = load_env_file(env_file)
     except SettingsError as e:
         raise UsageError(str(e)) from None
+    for warning in warnings:
+        print(f"warning: {env_file}: {warning}", file=sys.stderr)
+    return values
 
 
 def setting(values: dict[str, str], name: str) -> str:

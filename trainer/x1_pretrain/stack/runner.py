@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from x1_common.contracts import ExitCode
+from x1_common.envfile import value_problems
 from x1_common.fsutil import write_json_atomic
 from x1_common.logs import RedactSecrets
 from x1_pretrain.stack import services as S
@@ -94,26 +95,13 @@ log = logging.getLogger("x1.stack")
 def check_settings(s: S.Settings, ws: Workspace) -> None:
     """Exit-2 problems of the .env, each naming its variable; compose would only find them when a
     service fails to start."""
-    problems = []
-
-    def number(var: str, kind: type, low: float | None = None, optional: bool = False) -> None:
-        text = s[var]
-        if optional and text == "":
-            return
-        try:
-            value = kind(text)
-        except ValueError:
-            problems.append(f"{var}={text!r} is not {'a whole number' if kind is int else 'a number'}")
-            return
-        if low is not None and not value >= low:
-            problems.append(f"{var}={text!r} must be at least {low:g}")
-
-    if s["PROVIDER"] not in ("lambda", "runpod", "static"):
-        problems.append(f"PROVIDER={s['PROVIDER']!r} must be lambda, runpod or static")
-    elif s["PROVIDER"] == "static":
+    # Each value's type, as every reader of .env checks it (x1_common.envfile); then what the
+    # values mean together.
+    problems = value_problems(s.values)
+    if s["PROVIDER"] == "static":
         if not s["RATE_USD_PER_HR"]:
             problems.append("RATE_USD_PER_HR: the static provider needs the hourly rate")
-    else:
+    elif s["PROVIDER"] in ("lambda", "runpod"):
         if not s["INSTANCE_ID"]:
             problems.append(f"INSTANCE_ID: the {s['PROVIDER']} provider needs the instance (pod) id")
         key = "LAMBDA_API_KEY" if s["PROVIDER"] == "lambda" else "RUNPOD_API_KEY"
@@ -121,35 +109,17 @@ def check_settings(s: S.Settings, ws: Workspace) -> None:
             problems.append(f"{key}: the {s['PROVIDER']} provider needs its API key (in .env or the environment)")
         if s["RATE_USD_PER_HR"]:
             problems.append(f"RATE_USD_PER_HR is for the static provider only; {s['PROVIDER']} reads its price")
-    for var in ("TOTAL_STEPS", "CKPT_EVERY", "EVAL_EVERY", "LOG_EVERY", "NPROC", "NNODES", "RDZV_JOIN_TIMEOUT",
-                "MLFLOW_WORKERS"):
-        number(var, int, 1)
-    for var in ("MAX_RESTARTS", "DATA_MAX_SHARDS"):
-        number(var, int, 0)
-    for var in ("BUDGET_CAP_USD", "BUDGET_ALERT_USD", "MAX_PRICE_USD_PER_HR", "BUDGET_POLL_SECONDS",
-                "STALL_SECONDS", "STARTUP_GRACE_SECONDS", "RESTART_WINDOW_SECONDS"):
-        number(var, float, 0)
-    for var in ("RATE_USD_PER_HR", "PLANNED_HOURS"):
-        number(var, float, 0, optional=True)
-    for var in PORT_VARS.values():
-        text = s[var]
-        if not (text.isdigit() and 1 <= int(text) <= 65535):
-            problems.append(f"{var}={text!r} must be a port number in 1..65535")
     with contextlib.suppress(ValueError):
         if float(s["BUDGET_ALERT_USD"]) > float(s["BUDGET_CAP_USD"]):
             problems.append(f"BUDGET_ALERT_USD={s['BUDGET_ALERT_USD']} is above BUDGET_CAP_USD={s['BUDGET_CAP_USD']}")
     if s["NNODES"] != "1" and not (s["RDZV_ENDPOINT"] and s["RDZV_ID"]):
         problems.append(f"NNODES={s['NNODES']} needs RDZV_ENDPOINT (HOST:PORT of one host) and RDZV_ID (the same on every host)")
-    if s["TERMINATE_ON_FINISH"] not in ("0", "1"):
-        problems.append(f"TERMINATE_ON_FINISH={s['TERMINATE_ON_FINISH']!r} must be 0 or 1")
     if s["TERMINATE_ON_FINISH"] == "1" and s["PROVIDER"] == "static":
         problems.append("TERMINATE_ON_FINISH=1 needs a provider with an API (lambda or runpod), not static")
     if s["TERMINATE_ON_FINISH"] == "1" and not s["RESULTS_DIR"]:
         problems.append("TERMINATE_ON_FINISH=1 needs RESULTS_DIR: a folder on storage that outlives the instance "
                         "(a Lambda persistent filesystem, a RunPod network volume) where the run folder is copied "
                         "before the terminate; the workspace dies with the instance")
-    if s["PROVIDER_API_URL"] and not s["PROVIDER_API_URL"].startswith(("http://", "https://")):
-        problems.append(f"PROVIDER_API_URL={s['PROVIDER_API_URL']!r} must start with http:// or https://")
     config = Path(s["X1_CONFIG"])
     if not (config if config.is_absolute() else REPO / config).is_file():
         problems.append(f"X1_CONFIG={s['X1_CONFIG']!r}: no such file (relative paths are from {REPO})")
@@ -460,9 +430,18 @@ def check_writable(ws: Workspace) -> None:
                              "checkpoints, budget.json and MLflow's store there: give a writable --workspace") from None
 
 
+def load_settings(env_file: Path | None) -> S.Settings:
+    """The .env and the environment (SettingsError naming every key X1 does not read); a key X1 no
+    longer reads is said on stderr and in stack.log, and does not stop anything."""
+    settings = S.Settings.load(env_file)
+    for warning in settings.warnings:
+        print(f"warning: {env_file}: {warning}", file=sys.stderr, flush=True)
+    return settings
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     ws: Workspace = args.workspace
-    settings = S.Settings.load(args.env_file)
+    settings = load_settings(args.env_file)
     if args.total_steps is not None:  # a re-plan: over the .env's TOTAL_STEPS, for the trainer and the watchdog
         settings = S.Settings({**settings.values, "TOTAL_STEPS": str(args.total_steps)})
     check_settings(settings, ws)
@@ -585,7 +564,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     """`docker compose run --rm prepare`: download and tokenize into WS/data, in the foreground."""
     ws: Workspace = args.workspace
-    settings = S.Settings.load(args.env_file)
+    settings = load_settings(args.env_file)
     spec = S.services(settings, S.process_mode(ws.root, sys.executable, REPO))["prepare"]
     ws.data.mkdir(parents=True, exist_ok=True)
     env = {**base_environment(str(Path(sys.executable).parent)), **spec.image_env, **spec.env}
