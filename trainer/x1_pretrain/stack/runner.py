@@ -25,7 +25,8 @@ forwards the stop to the trainer, which writes its emergency checkpoint and exit
 a requested stop and not relaunched; then the sidecar, MLflow and Prometheus. `up` again, after a
 `down`, a reboot or a pod resume, continues the run from its latest checkpoint; a final decision
 of the watchdog (finished, budget stop, divergence, given up, start-up failure) is honoured: it
-does not relaunch.
+does not relaunch, except a bad config or a start-up failure once what the trainer was refused
+for has changed (a fixed .env, re-prepared data), and any decision with `up --clear-decision`.
 
 One stack per workspace: `up` takes a lease on the workspace (x1_pretrain.train.lease) and a second `up`
 is refused, exit 2, naming the first, which it leaves alone. Logs: WS/logs/<service>.log, the
@@ -65,7 +66,7 @@ from x1_pretrain.stack.process import (
     signals_ignored,
     wait_until,
 )
-from x1_pretrain.stack.status import cmd_status, collect_status, latest_checkpoint, render_status
+from x1_pretrain.stack.status import cmd_status, collect_status, held_back_because, latest_checkpoint, render_status
 from x1_pretrain.stack.workspace import (
     PORT_VARS,
     PROMETHEUS_YML,
@@ -164,12 +165,17 @@ def prometheus_config(ws: Workspace, settings: S.Settings) -> Path:
 class Runner:
     """`up` in the foreground: starts the services, keeps them up, stops them in order."""
 
-    def __init__(self, settings: S.Settings, ws: Workspace, env_file: Path | None, use_prometheus: bool) -> None:
+    def __init__(self, settings: S.Settings, ws: Workspace, env_file: Path | None, use_prometheus: bool,
+                 clear_decision: bool = False) -> None:
         self.settings = settings
         self.ws = ws
         self.env_file = env_file
         self.prometheus = shutil.which("prometheus") if use_prometheus else None
         self.specs = S.services(settings, S.process_mode(ws.root, sys.executable, REPO, self.prometheus or "prometheus"))
+        self.clear_decision = clear_decision
+        if clear_decision:  # this `up` only: the watchdog sets the recorded final decision aside
+            argv = self.specs["watchdog"].argv
+            argv.insert(argv.index("--"), "--clear-final")
         self.base_env = base_environment(str(Path(sys.executable).parent))
         self.running: dict[str, Service] = {}
         self.restarts: dict[str, int] = {}  # for status
@@ -254,11 +260,13 @@ class Runner:
             log.info("%s holds a budget decision (%s, exit %s at %s) for %s total steps: set aside for this re-plan "
                      "to %s", self.ws.state_file, final.get("reason"), final.get("exit_code"), final.get("time"),
                      final.get("total_steps"), self.settings["TOTAL_STEPS"])
+        elif final and self.clear_decision:
+            log.warning("%s holds a final decision (%s, exit %s at %s): set aside for this `up --clear-decision`; the "
+                        "trainer resumes from its latest checkpoint", self.ws.state_file, final.get("reason"),
+                        final.get("exit_code"), final.get("time"))
         elif final:
-            again = (" (after a budget stop: `up --total-steps N` with the N it says fits continues the run)"
-                     if final.get("exit_code") in (76, 78) else " (a new run needs a new workspace)")
-            log.warning("%s holds a final decision (%s, exit %s at %s): the watchdog will not launch the trainer%s",
-                        self.ws.state_file, final.get("reason"), final.get("exit_code"), final.get("time"), again)
+            log.warning("%s holds a final decision (%s, exit %s at %s): %s", self.ws.state_file, final.get("reason"),
+                        final.get("exit_code"), final.get("time"), held_back_because(final))
         if self.prometheus:
             prometheus_config(self.ws, self.settings)
             self.start_service("prometheus")
@@ -301,11 +309,11 @@ class Runner:
         final_seen = (read_json(self.ws.state_file) or {}).get("final")
         while not self.stop_requested.wait(1.0):
             final = (read_json(self.ws.state_file) or {}).get("final")
-            if final and not final_seen:  # said once, here and in stack.log: the watchdog now holds
-                log.warning("the watchdog's final decision: %s (exit %s)%s; the trainer is not launched again "
-                            "(`python -m x1_pretrain.stack status --workspace %s`)", final.get("reason"),
-                            final.get("exit_code"), f": {final['error']}" if final.get("error") else "", self.ws.root)
-            final_seen = final_seen or final
+            if final and final != final_seen:  # said once, here and in stack.log: the watchdog now holds
+                log.warning("the watchdog's final decision: %s (exit %s)%s; %s (`python -m x1_pretrain.stack status "
+                            "--workspace %s`)", final.get("reason"), final.get("exit_code"),
+                            f": {final['error']}" if final.get("error") else "", held_back_because(final), self.ws.root)
+            final_seen = final
             for name, svc in list(self.running.items()):
                 if svc.alive():
                     continue
@@ -449,7 +457,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_writable(ws)
     if args.detach:
         return detach(args, ws)
-    runner = Runner(settings, ws, args.env_file.resolve() if args.env_file else None, not args.no_prometheus)
+    runner = Runner(settings, ws, args.env_file.resolve() if args.env_file else None, not args.no_prometheus,
+                    clear_decision=args.clear_decision)
 
     def lost(problem: str) -> None:
         log.error("the workspace lease was lost (%s): stopping", problem)
@@ -502,6 +511,8 @@ def detach(args: argparse.Namespace, ws: Workspace) -> int:
         argv.append("--no-prometheus")
     if args.total_steps is not None:
         argv += ["--total-steps", str(args.total_steps)]
+    if args.clear_decision:
+        argv.append("--clear-decision")
     with open(ws.log("stack"), "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=REPO,
                                 env=dict(os.environ, **{DETACHED_ENV: "1"}), start_new_session=True)
@@ -591,9 +602,13 @@ commands:
             Again after a `down`, a reboot or a pod resume, it continues the run from its latest
             checkpoint; a final decision of the watchdog (finished, budget stop, divergence,
             given up, start-up failure: WORKSPACE/logs/watchdog-state.json) is honoured, the
-            trainer not relaunched.
+            trainer not relaunched, except a bad config or a start-up failure once what the
+            trainer was refused for has changed (.env's trainer settings, the data's
+            meta.json): a fixed mistake starts it again, from its checkpoint.
+            --clear-decision sets any final decision aside by hand.
   status    each service's health, the trainer's step and tokens/s, spend vs cap, the watchdog's
-            last decision (--json for scripts); exit 0 when running and healthy, else 1
+            last decision (--json for scripts); exit 0 when running and healthy, else 1 (also
+            while a final decision other than a finished run holds the trainer back, saying why)
   down      stop the stack started by `up` in WORKSPACE (also one whose runner died)
 
 Settings come from --env-file, the same .env as compose (cp .env.example .env), with the shell's
@@ -628,6 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the run's total steps, over the .env's TOTAL_STEPS: after a budget stop, the N it says "
                          "fits continues the run from its checkpoint (the stop's decision is set aside for this "
                          "re-plan only)")
+    sp.add_argument("--clear-decision", action="store_true",
+                    help="set the watchdog's final decision aside (kept in watchdog-state.json under `cleared`) and "
+                         "launch the trainer again: it resumes from its latest checkpoint, the same run. Needed only "
+                         "where nothing the trainer was refused for has changed: a bad config or a start-up failure is "
+                         "set aside by a plain `up` once .env's trainer settings or the data's meta.json have changed")
     sp = sub.add_parser("status", help="health, step, tokens/s, spend, the watchdog's last decision")
     common(sp, env=False)
     sp.add_argument("--json", action="store_true", help="the same as JSON")

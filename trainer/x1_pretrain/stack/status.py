@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from x1_common import restarts
-from x1_common.contracts import Heartbeat
+from x1_common.contracts import FIXABLE_EXIT_CODES, Heartbeat
 from x1_pretrain.stack import services as S
 from x1_pretrain.stack.process import http_status
 from x1_pretrain.stack.workspace import Workspace, read_events, read_json, trainer_pid
@@ -133,6 +133,21 @@ def run_restarts(ws: Workspace, events: list[dict[str, Any]]) -> list[dict[str, 
     return restarts.restarts(starts, events)
 
 
+def held_back_because(final: dict[str, Any]) -> str:
+    """What a final decision means for the trainer now, and the way on, in one sentence."""
+    code = final.get("exit_code")
+    if code == 0:
+        return "the run is finished; the trainer is not launched again"
+    if code in FIXABLE_EXIT_CODES:
+        return ("the trainer is held back until what it was refused for changes: fix it (.env's trainer settings, "
+                "the data) and `up` again, and it resumes from its latest checkpoint; `up --clear-decision` "
+                "launches it again as it is")
+    if code in (76, 78):
+        return ("the trainer is held back by the budget: `up --total-steps N` with the N the trainer named continues "
+                "the run; `up --clear-decision` launches it again as planned")
+    return "the trainer is held back: `up --clear-decision` launches it again, from its latest checkpoint"
+
+
 def describe_decision(e: dict[str, Any] | None) -> str:
     if not e:
         return "none yet"
@@ -147,6 +162,11 @@ def describe_decision(e: dict[str, Any] | None) -> str:
     if kind == "startup_failure":
         return (f"start-up failure: the trainer exited {e.get('exit_code')} before its first step twice in a row "
                 f"with the same error, not relaunched (watchdog exit {e.get('watchdog_exit_code')}) at {e.get('time')}")
+    if kind == "fixed":
+        return (f"the {e.get('reason')} decision (exit {e.get('exit_code')}) set aside: its inputs changed "
+                f"({'; '.join(e.get('changed') or [])}) at {e.get('time')}")
+    if kind == "cleared":
+        return f"the {e.get('reason')} decision (exit {e.get('exit_code')}) set aside by hand at {e.get('time')}"
     if kind == "terminate":
         done = "terminated" if e.get("ok") else f"terminate FAILED ({e.get('error')})"
         return f"{done} the {e.get('provider')} instance {e.get('instance_id')} after {e.get('reason')} at {e.get('time')}"
@@ -203,16 +223,19 @@ def render_status(st: dict[str, Any]) -> str:
     if w["final"]:
         f = w["final"]
         lines.append(f"  final decision: {f.get('reason')} (exit {f.get('exit_code')} at {f.get('time')}): "
-                     "the trainer is not launched again")
+                     f"{held_back_because(f)}")
         if f.get("error"):
             lines.append(f"  the trainer's error: {f['error']}")
     return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """0 while the stack runs, every service healthy, and no final decision holds the trainer back
+    (a finished run is no hold); else 1: a stack up but idle on a held-back trainer bills for nothing."""
     st = collect_status(args.workspace)
     print(json.dumps(st, indent=2) if args.json else render_status(st))
     if not st["running"]:
         return 1
     healthy = all(s["running"] and s["health"] in (None, "healthy") for s in st["services"].values())
-    return 0 if healthy else 1
+    final = st["watchdog"]["final"]
+    return 0 if healthy and (final is None or final.get("exit_code") == 0) else 1
