@@ -85,3 +85,12 @@ def test_the_pre_launch_sentence_and_the_predicted_loss_the_readme_quotes_are_pl
     assert plan["proposed_hours"] == pytest.approx(24, abs=0.05)  # DEPLOY: "the plan's hours (24)"
     assert "the plan's hours (24) into PLANNED_HOURS" in DEPLOY
     assert f"(about {plan['predicted_val_loss']:.1f} for the planned run)" in flat(README)
+
+
+def test_the_data_passes_and_the_one_pass_fetch_deploy_quotes_are_plans(plan):
+    from x1_pretrain.data.prepare import PARQUET_BYTES_PER_TOKEN, TOKEN_BYTES
+
+    deploy = flat(DEPLOY)
+    assert f"~{plan['data_passes']:.1f} for the lab's 24 h" in deploy
+    assert plan["one_pass"]["command"] in deploy
+    assert f"about {PARQUET_BYTES_PER_TOKEN + TOKEN_BYTES:g} GB of disk per billion tokens" in deploy
