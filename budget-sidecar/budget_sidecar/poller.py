@@ -151,7 +151,8 @@ class Poller:
         doc = None if reading is None else reading_document(reading, self.ledger, s.time_scale)
         if doc is not None:
             # Informative: without planned hours the projection has no remaining-time term, and says so.
-            doc["projection"] = s.projection_basis
+            doc["projection"] = ("spent: the instance is terminated" if self.ledger.instance_status == "terminated"
+                                 else s.projection_basis)
             doc["planned_hours"] = s.planned_hours
             write_json_atomic(s.output, doc)
             log.info(

@@ -36,6 +36,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from x1_common.contracts import (
+    END_REASONS,
+    FINAL_EXIT_CODES,
     MLFLOW_FORECAST_METRICS,
     MLFLOW_GRAD_NORM,
     MLFLOW_LOSS,
@@ -54,6 +56,7 @@ from x1_common.contracts import (
     utc_now,
 )
 from x1_common.fsutil import make_readable, sha256_file, write_json_atomic, write_text_atomic
+from x1_common.projection import at_finish
 from x1_common.restarts import label as restart_label
 from x1_pretrain.checkpoint.store import MARKER
 from x1_pretrain.checkpoint.weights import read_metadata
@@ -328,7 +331,7 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         write_text_atomic(tmp / "metrics.csv", metrics_csv(record.series), durable=False)
         write_text_atomic(tmp / "mlflow-run-uri.txt", run_uri_text(record), durable=False)
         if inputs.budget is not None:
-            _copy_json_scrubbed(inputs.budget, tmp / "budget.json")
+            _copy_budget(inputs.budget, tmp / "budget.json", end)
         if termination is not None and termination["file"] == "termination.png":
             shutil.copyfile(inputs.termination, tmp / "termination.png")  # type: ignore[arg-type]
             note = inputs.termination.with_name("termination-note.txt")  # type: ignore[union-attr]
@@ -366,6 +369,22 @@ def copy_weights(src: Path, dst: Path) -> str:
         raise ExportError(f"{src} changed while it was copied (sha256 {sha[:12]}, its marker says {expected[:12]}): "
                           "is the trainer still running? Export again")
     return sha
+
+
+# The manifest's `end` of a run that is over: nothing more is billed for it (a preemption is not an end).
+ENDED = frozenset({END_REASONS[code] for code in FINAL_EXIT_CODES} | {"given-up"})
+
+
+def _copy_budget(src: Path, dst: Path, end: str) -> None:
+    """The sidecar's last reading, for the run folder. Once the run is over, its projection is its
+    spend (x1_common.projection, as `status` shows it): the sidecar's own would still count the
+    planned hours a finished or stopped run never bills."""
+    doc = scrub(json.loads(src.read_text(encoding="utf-8")))
+    spent = doc.get("spent_usd") if isinstance(doc, dict) else None
+    if end in ENDED and isinstance(spent, (int, float)) and (finish := at_finish(spent, ended=True)) is not None:
+        doc["projected_total_usd"] = round(finish.usd, 6)
+        doc["projection"] = f"{finish.source} ({end})"
+    write_json_atomic(dst, doc, durable=False)
 
 
 def _copy_json_scrubbed(src: Path, dst: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from x1_common import restarts
 from x1_common.contracts import FIXABLE_EXIT_CODES, Heartbeat
+from x1_common.projection import at_finish
 from x1_pretrain.stack import services as S
 from x1_pretrain.stack.process import http_status
 from x1_pretrain.stack.workspace import Workspace, read_events, read_json, trainer_pid
@@ -26,8 +27,8 @@ log = logging.getLogger("x1.stack")
 
 
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) loss (\S+) lr \S+ grad \S+ tok/s (\d+)")
-# The trainer's budget line: the billed hours its steps left need, and the projection it judges.
-BUDGET_LINE = re.compile(r"budget: [^\n]*?= ([\d.e+]+) h billed[^\n]*?projected \$([\d.]+) of \$([\d.]+)")
+# The trainer's budget line: the billed hours its steps left need, and its own projection.
+BUDGET_LINE = re.compile(r"budget: [^\n]*?= ([\d.e+]+) h billed, \+\d+% -> own \$([\d.]+);")
 # The trainer's forecast line at each eval (x1_pretrain.forecast): the final val loss and its interval.
 FORECAST_LINE = re.compile(r"forecast: (final val loss [\d.]+ \[[\d.]+, [\d.]+\] at step \d+, made at step \d+"
                            r"|not enough points yet at step \d+/\d+)")
@@ -61,14 +62,18 @@ def at_a_glance(trainer: dict[str, Any], budget: dict[str, Any], judged: re.Matc
     scale = budget.get("time_scale") if isinstance(budget.get("time_scale"), (int, float)) else 1.0
     eta_h = float(judged[1]) / max(float(scale), 1.0) if judged else None  # billed hours -> wall hours
     final = state.get("final")
+    # The one projection (x1_common.projection): the spend once a final decision holds, else the
+    # trainer's own, else the sidecar's.
+    spent = budget.get("spent_usd") if isinstance(budget.get("spent_usd"), (int, float)) else None
+    sidecar = budget.get("projected_total_usd") if isinstance(budget.get("projected_total_usd"), (int, float)) else None
+    projection = at_finish(spent, trainer_usd=float(judged[2]) if judged else None, sidecar_usd=sidecar,
+                           ended=bool(final))
     return {
         "percent_done": round(100.0 * step / total, 1) if step is not None and total else None,
         "eta_hours": None if final else eta_h,
         "spent_usd": budget.get("spent_usd"),
-        # once the run has ended its spend is final; the sidecar's figure would still count planned hours
-        "projected_at_finish_usd": (budget.get("spent_usd") if final else float(judged[2]) if judged
-                                    else budget.get("projected_total_usd")),
-        "projection_source": "the trainer's, at its measured pace" if judged else "the sidecar's" if budget else None,
+        "projected_at_finish_usd": projection.usd if projection else None,
+        "projection_source": projection.source if projection else None,
         "restarts": state.get("restarts_total"),
         "last_decision": describe_decision(last_event),
     }
@@ -213,8 +218,10 @@ def render_status(st: dict[str, Any]) -> str:
     b = st["budget"]
     if b.get("spent_usd") is not None:
         stale = ", STALE" if b.get("stale") else ""
-        lines.append(f"  spend: ${b['spent_usd']:.2f} of the ${b['cap_usd']:g} cap (projected ${b['projected_total_usd']:.2f}, "
-                     f"${b['rate_usd_per_hr']:g}/h, {b['provider']}, reading {b['last_update_utc']}{stale})")
+        # The projection is the at-a-glance one: budget.json's own (the sidecar's guess from the
+        # planned hours) is one of its inputs, not a second figure to show.
+        lines.append(f"  spend: ${b['spent_usd']:.2f} of the ${b['cap_usd']:g} cap (${b['rate_usd_per_hr']:g}/h, "
+                     f"{b['provider']}, reading {b['last_update_utc']}{stale})")
     else:
         lines.append("  spend: no budget reading yet")
     lines += [f"  {restarts.describe(r)}" for r in st.get("restarts", [])]
