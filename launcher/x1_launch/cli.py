@@ -764,6 +764,16 @@ interrupted (the instance and the command that ends it are printed).
 """
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in the help once: argparse's `(default: X)` only where the help does not
+    name its default itself and there is one to name."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="x1", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{plan,launch,status,logs,fetch,down}")
@@ -775,8 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("plan", help="today's plan: python -m x1_pretrain.plan's options (x1 plan --help)", add_help=False)
 
-    sp = sub.add_parser("launch", help="rent the instance and start the run on it",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp = sub.add_parser("launch", help="rent the instance and start the run on it", formatter_class=DefaultsOnce)
     common(sp, instance=False)
     sp.add_argument("--provider", choices=PROVIDERS, required=True)
     sp.add_argument("--env-file", type=Path, help="your .env (budget, steps, config; cp .env.example .env); the "
