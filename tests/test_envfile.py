@@ -203,3 +203,12 @@ def test_x1_launch_refuses_a_misspelt_key_before_renting(tmp_path):
         assert list(state["instances"]) == ["existing-1"]
     finally:
         fake.stop()
+
+
+def test_the_data_sources_env_accepts_are_preps_own():
+    from x1_pretrain.data.prepare import SOURCES
+
+    check = envfile.KEYS["DATA_SOURCE"].check
+    assert all(check(name) is None for name in SOURCES)
+    assert check("fineweb") == "must be fineweb-edu, fineweb-edu-100bt or pile-cc"
+    assert check("fineweb").removeprefix("must be ").replace(" or ", ", ").split(", ") == list(SOURCES)

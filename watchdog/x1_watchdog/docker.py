@@ -319,7 +319,7 @@ class DockerHandle:
             config = self._call(f"docker inspect {self.container}",
                                 lambda api: api.inspect_container(self.container)).get("Config") or {}
         except TrainerUnreachable as e:
-            log.warning("cannot read the trainer container's settings: %s", e)
+            log.debug("cannot read the trainer container's settings: %s", e)  # held: asked again in seconds
             return None
         env = dict(item.split("=", 1) if "=" in item else (item, "") for item in config.get("Env") or [])
         return command_inputs([*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])], env)
