@@ -87,11 +87,11 @@ def test_no_secret_has_a_type_so_no_message_ever_quotes_one():
     ("MAX_PRICE_PER_HR=1.2", "MAX_PRICE_PER_HR is not a setting X1 reads (did you mean MAX_PRICE_USD_PER_HR?"),
     ("WANDB_PROJECT=x1", "WANDB_PROJECT is not a setting X1 reads (no known key is close"),
 ])
-def test_an_unknown_key_is_refused_naming_it_and_the_nearest_known_key(tmp_path, line, named):
-    proc = run_module("x1_common.envfile", str(example_with(tmp_path, line)), timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert named in proc.stderr and ".env.example lists every one" in proc.stderr
-    assert line.split("=")[1] not in proc.stderr  # named by its key, the value never quoted
+def test_an_unknown_key_is_refused_naming_it_and_the_nearest_known_key(tmp_path, capsys, line, named):
+    assert envfile.main([str(example_with(tmp_path, line))]) == 2
+    err = capsys.readouterr().err
+    assert named in err and ".env.example lists every one" in err
+    assert line.split("=")[1] not in err  # named by its key, the value never quoted
 
 
 @pytest.mark.parametrize(("line", "named"), [
@@ -108,10 +108,9 @@ def test_an_unknown_key_is_refused_naming_it_and_the_nearest_known_key(tmp_path,
     ("TORCH_VERSION=latest", "TORCH_VERSION='latest' must be a torch release such as 2.11.0"),
     ("TRAINER_SHM_SIZE=lots", "TRAINER_SHM_SIZE='lots' must be a size such as 16gb"),
 ])
-def test_a_value_of_the_wrong_type_is_refused_naming_the_key(tmp_path, line, named):
-    proc = run_module("x1_common.envfile", str(example_with(tmp_path, line)), timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert named in proc.stderr
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key(tmp_path, capsys, line, named):
+    assert envfile.main([str(example_with(tmp_path, line))]) == 2
+    assert named in capsys.readouterr().err
 
 
 def test_a_retired_key_is_a_warning_naming_what_replaced_it(tmp_path):

@@ -465,9 +465,7 @@ def test_a_changed_total_steps_is_refused_and_once_fixed_a_plain_up_resumes_the_
     assert status.returncode == 1, status.stdout + status.stderr  # up, but held back: says why
     assert "final decision: bad-config (exit 2" in status.stdout and "the trainer is held back until" in status.stdout
     assert f"the trainer's error: {final['error']}" in status.stdout
-    starts = [k for k, *_ in live.kinds()].count("start")
-    time.sleep(6)  # the holding watchdog looks at its trainer's inputs: unchanged, it holds
-    assert [k for k, *_ in live.kinds()].count("start") == starts and workspace.trainer_pid(live.ws) is None
+    assert workspace.trainer_pid(live.ws) is None
     assert stack("down", "--workspace", str(live.ws.root)).returncode == 0
 
     # The fix, then a plain `up`: the trainer is launched again and resumes from its checkpoint.
