@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for warning in warnings:
         print(f"warning: {args[0]}: {warning}", file=sys.stderr)
-    print(f"{args[0]}: {len(values)} settings, each one X1 reads, of the right type")
+    known = sum(1 for key in values if key in KEYS)
+    print(f"{args[0]}: {known} settings X1 reads, each of the right type"
+          + (f"; {len(values) - known} others (compose's own, or no longer read)" if known < len(values) else ""))
     return 0
 
 
