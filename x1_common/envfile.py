@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {args[0]}: {warning}", file=sys.stderr)
     known = sum(1 for key in values if key in KEYS)
     print(f"{args[0]}: {known} settings X1 reads, each of the right type"
-          + (f"; {len(values) - known} others (compose's own, or no longer read)" if known < len(values) else ""))
+          + (f"; {len(values) - known} other{'s' if len(values) - known > 1 else ''} (compose's own, or no longer "
+             "read)" if known < len(values) else ""))
     return 0
 
 
