@@ -162,10 +162,15 @@ class ComposeStack:
             "LOG_EVERY": "10",
             **settings,
         }
-        lines = [line for line in (REPO / ".env.example").read_text(encoding="utf-8").splitlines()
-                 if line.strip() and not line.lstrip().startswith("#") and line.split("=", 1)[0] not in env]
-        lines += [f"{k}={v}" for k, v in env.items()]
         self.env_file = root / "compose.env"
+        # The settings of the tests' own compose files (tests/docker/*.yaml: X1_TEST_*) are no keys
+        # of X1's .env, which compose's env-check service would refuse: they reach compose through
+        # its environment, which it interpolates from as it does from the env file.
+        self.test_env = {k: v for k, v in env.items() if k.startswith("X1_TEST_")}
+        file_env = {**{k: v for k, v in env.items() if k not in self.test_env}, "X1_ENV_FILE": str(self.env_file)}
+        lines = [line for line in (REPO / ".env.example").read_text(encoding="utf-8").splitlines()
+                 if line.strip() and not line.lstrip().startswith("#") and line.split("=", 1)[0] not in file_env]
+        lines += [f"{k}={v}" for k, v in file_env.items()]
         self.env_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
         self.settings = env
 
@@ -179,8 +184,9 @@ class ComposeStack:
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True,
                 profiles: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
-        # Only the PATH and HOME of this process: compose takes every setting from the env file.
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")}
+        # Only PATH, HOME and the tests' own settings: compose takes every X1 setting from the env file.
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
+               **self.test_env}
         return run(self.argv(*args, profiles=profiles), timeout=timeout, check=check, env=env, cwd=REPO)
 
     def down(self) -> None:

@@ -49,6 +49,8 @@ class Container:
     oom_killed: bool = False
     term_exit_code: int = 75  # what SIGTERM ends it with: the trainer's preemption code
     starts: int = 0
+    cmd: list[str] = field(default_factory=list)  # Config.Cmd and Config.Env, as compose created it
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +95,15 @@ class FakeEngine:
         with self._lock:
             c = self.containers[name]
             c.running, c.exit_code = False, code
+
+    def recreate(self, name: str, cmd: list[str], env: dict[str, str], running: bool) -> None:
+        """What `docker compose up` does with a container whose settings changed: a new one of the
+        same name, with the new command and environment, started (or not)."""
+        with self._lock:
+            c = self.containers[name]
+            c.cmd, c.env, c.running, c.exit_code = list(cmd), dict(env), running, 0
+            if running:
+                c.pid, c.started_at = 5151, time.strftime("%Y-%m-%dT%H:%M:%S.123456789Z", time.gmtime())
 
     def versioned(self) -> list[Request]:
         return [r for r in self.requests if r.version is not None]
@@ -200,7 +211,9 @@ class FakeEngine:
                 "Status": "running" if c.running else "exited", "Running": c.running, "Paused": False,
                 "Restarting": False, "OOMKilled": c.oom_killed, "Dead": False, "Pid": c.pid if c.running else 0,
                 "ExitCode": 0 if c.running else c.exit_code, "Error": "", "StartedAt": c.started_at,
-                "FinishedAt": "0001-01-01T00:00:00Z"}}, {}
+                "FinishedAt": "0001-01-01T00:00:00Z"},
+                "Config": {"Cmd": c.cmd or None, "Entrypoint": None, "Env": [f"{k}={v}" for k, v in c.env.items()],
+                           "Tty": False}}, {}
         if action == "start" and method == "POST":
             if c.running:
                 return 304, None, {}

@@ -39,7 +39,7 @@ from x1_pretrain.train.budget_guard import Action, BudgetGuard, Interval, Pace, 
 
 T0 = 1_900_000_000.0
 STEP_TOKENS = 524_288  # the 50M config's step
-A100 = tokens_per_sec_table()["a100-80gb"].tokens_per_sec  # plan's A100 figure (an estimate, ~254k)
+A100 = tokens_per_sec_table()["a100-80gb"].tokens_per_sec  # plan's A100 figure (an estimate, ~273k)
 
 
 class Clock:

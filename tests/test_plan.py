@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import CONFIGS, run_module
+from x1_pretrain.train.accounting import chinchilla_loss, fmt_count
 
 LAB_RUN = ["--config", str(CONFIGS / "x1-50m-a100.yaml"), "--gpu", "a100-80gb", "--provider", "lambda",
         "--hours", "24", "--budget-usd", "35"]
@@ -40,7 +43,7 @@ def test_plan_proposes_the_steps_the_budget_fits_and_bills_those_not_the_hours_a
                       "--storage-usd", "2", "--egress-usd", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["verdict"] == "go" and plan["proposed_total_steps"] < int(plan["tokens"] // 524288)
+    assert plan["verdict"] == "go" and plan["proposed_total_steps"] < plan["hours_total_steps"]
     assert plan["proposed_hours"] < 24 and plan["cost_usd"] == round(1.30 * plan["proposed_hours"], 2)
     assert plan["total_usd"] <= 35 and plan["total_usd"] == round(plan["cost_usd"] + 8, 2)
 
@@ -98,9 +101,78 @@ def test_plan_uses_given_throughput():
     proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10", "--tokens-per-sec", "250000", "--json")
     plan = json.loads(proc.stdout)
     assert plan["tokens_per_sec"] == 250000
-    assert abs(plan["tokens"] - 250000 * (24 - 0.75) * 3600) < 1
+    assert plan["hours_total_steps"] == int(250000 * (24 - 0.75) * 3600 // 524288)
+    assert plan["tokens"] == plan["proposed_total_steps"] * 524288
 
 
 def test_plan_rejects_nonsense_numbers_with_2():
     proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "-1")
     assert proc.returncode == 2 and "--price-usd-per-hr" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# One truth: the table shows what the plan proposes, whichever of the hours, the budget or the price binds
+
+
+def plan_text_and_json(*flags: str) -> tuple[str, dict]:
+    text = run_module("x1_pretrain.plan", *LAB_RUN[:-2], *flags)
+    as_json = run_module("x1_pretrain.plan", *LAB_RUN[:-2], *flags, "--json")
+    assert text.returncode == 0 and as_json.returncode == 0, text.stdout + text.stderr
+    return text.stdout, json.loads(as_json.stdout)
+
+
+def table_row(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"  {name:<20} "))[23:]
+
+
+@pytest.mark.parametrize(("flags", "binds"), [
+    (("--price-usd-per-hr", "1.10", "--budget-usd", "20"), "The money binds"),  # the budget: 29,700 steps
+    (("--price-usd-per-hr", "1.64", "--max-price-usd-per-hr", "2", "--budget-usd", "35"), "The money binds"),
+    (("--price-usd-per-hr", "1.10", "--budget-usd", "35"), "The hours bind"),
+])
+def test_plans_table_is_its_proposal_whether_the_hours_the_budget_or_the_price_binds(flags, binds):
+    text, plan = plan_text_and_json(*flags)
+    steps, hours = plan["proposed_total_steps"], plan["proposed_hours"]
+    assert f"Proposed: --total-steps {steps} (~{hours:.1f} h with setup = ${plan['cost_usd']:.2f}" in text
+    assert f"run ~{hours:.1f} h including setup" in text or (hours == pytest.approx(24, abs=0.05) and "run ~24 h" in text)
+    # The table: the proposal's training hours, its steps in the `tokens bought ... = N steps` form, its tokens.
+    assert table_row(text, "training hours") == f"{hours - 0.75:.2f} (of {hours:.2f}, 0.75 h setup)"
+    assert table_row(text, "tokens bought") == f"{fmt_count(steps * 524288)} = {steps:,} steps of 524k"
+    assert plan["tokens"] == steps * 524288
+    # The predicted loss is the proposal's, and names its token count.
+    assert plan["predicted_val_loss"] == round(chinchilla_loss(plan["params_total"], steps * 524288), 3)
+    assert table_row(text, "predicted val loss").startswith(
+        f"{plan['predicted_val_loss']:.2f} nats/token at {fmt_count(steps * 524288)} tokens")
+    # What --hours would buy appears only as what binds, never as the plan's figures.
+    assert binds in text and f"{plan['hours_total_steps']:,} steps" in text
+    if binds == "The money binds":
+        assert steps == plan["fits_total_steps"] < plan["hours_total_steps"]
+        assert "23.25" not in table_row(text, "training hours") and "43,583" not in table_row(text, "tokens bought")
+
+
+def test_plan_proposes_what_the_trainers_own_launch_check_fits():
+    # The trainer, launched with plan's proposal once the setup is billed, projects under the cap.
+    from x1_pretrain.config import load_config
+    from x1_pretrain.train.budget_guard import launch_projection
+
+    text, plan = plan_text_and_json("--price-usd-per-hr", "1.10", "--budget-usd", "20")
+    cfg = load_config(str(CONFIGS / "x1-50m-a100.yaml"), [])
+    check = launch_projection(cfg, plan["proposed_total_steps"], plan["tokens_per_sec"], 1.10, 20, spent_usd=0.75 * 1.10)
+    assert check.projected_usd <= 20 < launch_projection(cfg, plan["proposed_total_steps"] + 200, plan["tokens_per_sec"],
+                                                          1.10, 20, spent_usd=0.75 * 1.10).projected_usd
+
+
+def test_plan_states_the_passes_over_the_data_and_how_prepare_fetches_one_pass():
+    from x1_pretrain.data import prepare
+
+    text, plan = plan_text_and_json("--price-usd-per-hr", "1.10", "--budget-usd", "35")
+    assert table_row(text, "data") == "22.9B tokens from FineWeb-Edu sample/10BT (~10B tokens): ~2.3 passes over the data"
+    assert plan["data_passes"] == pytest.approx(plan["tokens"] / 10e9)
+    one = plan["one_pass"]
+    assert f"`{one['command']}` fetches them from FineWeb-Edu sample/100BT" in text
+    assert f"~{one['disk_gb']} GB of disk" in text and f"~{one['tokenize_minutes']} min to tokenize" in text
+    # 2.2 bytes of parquet and 2 of tokens a token: about 96 GB for 22.9B tokens.
+    assert one["disk_gb"] == round(plan["tokens"] * 4.2 / 1e9)
+    # The command it prints is one prepare accepts.
+    args = prepare.parse_args(one["command"].split()[3:])
+    assert args.source == "fineweb-edu-100bt" and args.max_tokens == pytest.approx(22.9e9)

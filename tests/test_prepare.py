@@ -28,9 +28,11 @@ class FakeHub:
     def __init__(self, shards: int = 3, listed: int | None = None, errors: dict[str, BaseException] | None = None):
         self.shards, self.listed, self.errors = shards, listed, errors or {}
         self.calls: list[tuple[str, int | None]] = []
+        self.max_tokens: list[float | None] = []
 
-    def __call__(self, source: Source, local_dir: Path, max_shards: int | None) -> int:
+    def __call__(self, source: Source, local_dir: Path, max_shards: int | None, max_tokens: float | None = None) -> int:
         self.calls.append((source.name, max_shards))
+        self.max_tokens.append(max_tokens)
         if source.name in self.errors:
             raise self.errors[source.name]
         folder = local_dir / Path(source.pattern).parent
@@ -115,6 +117,30 @@ def test_max_shards_limits_the_download_and_the_check(tmp_path):
     assert run(tmp_path, "--max-shards", "2", hub=hub, tokenizer=tok) == 0
     assert hub.calls == [("fineweb-edu", 2)]
     assert len(FINEWEB_EDU.shards(tmp_path)) == 2
+
+
+def test_max_tokens_fetches_the_first_shards_of_the_larger_sample_that_hold_them(tmp_path, capsys):
+    # The hub's listing: 100 shards of sample/100BT, even sizes. 23B tokens of its 100B: 24 of them
+    # (23.5 with the 2% slack for the val split and uneven shards, rounded up).
+    assert prepare.shards_for_tokens([2_000_000_000] * 100, 100e9, 23e9) == 24
+    assert prepare.shards_for_tokens([5, 1, 1, 1, 1, 1], 10.0, 4.0) == 1  # bytes, not shard counts
+    assert prepare.shards_for_tokens([1] * 10, 10e9, 50e9) == 10  # more than the sample: all of it
+
+    class TokenHub(FakeHub):
+        def __call__(self, source, local_dir, max_shards, max_tokens=None):
+            count = prepare.shards_for_tokens([1] * self.shards, source.tokens, max_tokens) if max_tokens else None
+            super().__call__(source, local_dir, count)
+            self.max_tokens[-1] = max_tokens  # what prepare asked for
+            return count or self.shards
+
+    hub, tok = TokenHub(shards=100), RecordingTokenizer()
+    assert run(tmp_path, "--source", "fineweb-edu-100bt", "--max-tokens", "23B", hub=hub, tokenizer=tok) == 0
+    assert hub.calls == [("fineweb-edu-100bt", 24)] and hub.max_tokens == [23e9]
+    assert len(prepare.FINEWEB_EDU_100BT.shards(tmp_path)) == 24
+    assert tok.argv[tok.argv.index("--input-dir") + 1] == str(tmp_path / "fineweb-edu-100bt" / "sample" / "100BT")
+    assert "fewer than the lab's" not in capsys.readouterr().err
+    for bad in ("lots", "0"):
+        assert run(tmp_path, "--max-tokens", bad, hub=FakeHub()) == 2
 
 
 def test_fewer_than_the_labs_96_warns_but_trusts_the_hub_listing(tmp_path, capsys):

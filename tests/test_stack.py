@@ -221,15 +221,30 @@ def test_trainer_that_cannot_start_is_stopped_after_two_launches_and_status_show
         assert kinds == ["start", "exit", "relaunch", "start", "exit", "startup_failure"]
 
         status = stack("status", "--workspace", str(ws.root), timeout=60)
-        assert status.returncode == 0, status.stdout + status.stderr  # the stack is up; the watchdog holds
+        # The stack is up, but the trainer is held back: not a healthy stack (it bills for nothing).
+        assert status.returncode == 1, status.stdout + status.stderr
         assert "watchdog's last decision: start-up failure: the trainer exited 1 before its first step" in status.stdout
         assert "final decision: startup-failure (exit 81" in status.stdout
+        assert "the trainer is held back until what it was refused for changes" in status.stdout
         assert f"the trainer's error: {final['error']}" in status.stdout
         wait_for(lambda: "final decision: startup-failure (exit 81)" in ws.log("stack").read_text(), 30,
                  "the runner's report")
-        time.sleep(3)
+        time.sleep(6)  # past the holding watchdog's look at its trainer's inputs: nothing changed
         assert [e["event"] for e in workspace.read_events(ws)] == kinds  # no third launch
         assert workspace.trainer_pid(ws) is None
+
+        # By hand: `up --clear-decision` sets it aside and launches the trainer again. Here it fails again
+        # with the same error as the launch before: a start-up failure at once, no second launch.
+        assert stack("down", "--workspace", str(ws.root)).returncode == 0
+        proc = stack("up", "-d", "--clear-decision", "--env-file", str(env_file), "--workspace", str(ws.root), env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "set aside for this `up --clear-decision`" in ws.log("stack").read_text()
+        wait_for(lambda: [e["event"] for e in workspace.read_events(ws)].count("startup_failure") == 2, 180,
+                 "the second decision")
+        state = workspace.read_json(ws.state_file)
+        assert [c["why"] for c in state["cleared"]] == ["by hand: --clear-final"]
+        assert [e["event"] for e in workspace.read_events(ws)][len(kinds):] == [
+            "cleared", "start", "exit", "startup_failure"]
     finally:
         stack("down", "--workspace", str(ws.root))
 
@@ -498,6 +513,37 @@ def test_up_after_a_power_cut_takes_the_dead_runners_lease_over_and_continues_th
     wait_for(lambda: live.trainer_log().count("resuming from") > resumes, 180, "the resume after the power cut")
     assert live.trainer_log().rsplit("resuming from", 1)[1].startswith(f" {live.ws.checkpoints / latest} at step {step}")
     assert re.search(rf"taken over from trainer host \S+, pid {doomed['trainer']}, .*not running", live.trainer_log())
+
+
+@pytest.mark.slow
+def test_a_changed_total_steps_is_refused_and_once_fixed_a_plain_up_resumes_the_trainer(live):
+    live.wait_training_past(int(re.findall(r"resuming from .* at step (\d+)", live.trainer_log())[-1]) + 2)
+    assert stack("down", "--workspace", str(live.ws.root)).returncode == 0
+    step = int(re.findall(r"preempted at step (\d+): checkpoint", live.trainer_log())[-1])
+    # The mistake: another TOTAL_STEPS in .env. The checkpoint's run had 40: the resume is refused, exit 2.
+    write_env(live.env_file, **{**live.settings, "TOTAL_STEPS": "60"})
+    assert live.up().returncode == 0
+    final = wait_for(lambda: (workspace.read_json(live.ws.state_file) or {}).get("final"), 180, "the refusal")
+    assert (final["exit_code"], final["reason"]) == (2, "bad-config")
+    assert "--total-steps=60" in final["inputs"]["args"] and final["error"]
+    status = stack("status", "--workspace", str(live.ws.root), timeout=60)
+    assert status.returncode == 1, status.stdout + status.stderr  # up, but held back: says why
+    assert "final decision: bad-config (exit 2" in status.stdout and "the trainer is held back until" in status.stdout
+    assert f"the trainer's error: {final['error']}" in status.stdout
+    assert workspace.trainer_pid(live.ws) is None
+    assert stack("down", "--workspace", str(live.ws.root)).returncode == 0
+
+    # The fix, then a plain `up`: the trainer is launched again and resumes from its checkpoint.
+    write_env(live.env_file, **live.settings)
+    assert live.up().returncode == 0
+    wait_for(lambda: f"resuming from {live.ws.checkpoints / f'step_{step:08d}'} at step {step}" in live.trainer_log(),
+             180, f"the resume at step {step} after the fix")
+    fixed = [e for e in live.events() if e["event"] == "fixed"]
+    assert len(fixed) == 1 and fixed[0]["exit_code"] == 2
+    assert "arguments --total-steps=60 (was), --total-steps=40 (now)" in fixed[0]["changed"]
+    assert workspace.read_json(live.ws.state_file)["final"] is None
+    live.wait_training_past(step + 2)
+    assert stack("status", "--workspace", str(live.ws.root), timeout=60).returncode == 0
 
 
 @pytest.mark.slow

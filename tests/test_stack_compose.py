@@ -23,6 +23,7 @@ from test_static_checks import dockerfile_stages, image_chain
 from test_static_checks import interpolate_all as interpolate  # compose's ${VAR...} over a parsed document
 
 from conftest import REPO
+from x1_common import envfile
 from x1_pretrain.stack import services as S
 
 COMPOSE_FILE = REPO / "compose.yaml"
@@ -269,9 +270,9 @@ def test_every_setting_compose_reads_has_the_same_default_in_the_definition():
         compose_defaults.setdefault(m.group(1), set()).add(m.group(2) or "")
     ours = set(S.DEFAULTS)
     for name, defaults in compose_defaults.items():
-        if name in ("DOCKER_GID", "X1_WORKSPACE", "TORCH_VERSION", "TORCH_CUDA", "PYTHON_IMAGE", "TRAINER_FLOAT8", "TRAINER_SHM_SIZE",
-                    "GRAFANA_HOST_PORT") or name.startswith("GF_"):
-            continue  # build, volume and Grafana settings: not part of a service's command or environment
+        assert name in envfile.KEYS, f"compose.yaml reads {name}, which x1_common.envfile (and .env.example) lacks"
+        if not envfile.KEYS[name].stack:
+            continue  # build, volume, Grafana and the env-check's own settings: no service's command or environment
         assert name in ours, f"compose.yaml reads {name}; x1_pretrain.stack.services.DEFAULTS does not know it"
         if name == "RESULTS_DIR":  # the watchdog's /results mount needs a host path even when unset (unused then)
             defaults = defaults - {"/tmp/x1-results-unset"}

@@ -43,10 +43,12 @@ fi
 
 # Compose starts this container on every `docker compose up`; after the watchdog's final decision
 # (finished, budget stop, divergence, given up) that start must not train on: exit with the
-# decision's code instead (x1_watchdog.gate; the state file is the watchdog's --state-file).
+# decision's code instead (x1_watchdog.gate; the state file is the watchdog's --state-file). A bad
+# config or a start-up failure holds only while the trainer is given what it was refused for: the
+# gate compares these arguments and this environment with what that launch was given.
 state_file="${X1_WATCHDOG_STATE_FILE:-/workspace/logs/watchdog-state.json}"
 if [[ -f "$state_file" ]]; then
-  final="$("${X1_PYTHON:-python}" -m x1_watchdog.gate "$state_file")" || exit 2
+  final="$("${X1_PYTHON:-python}" -m x1_watchdog.gate "$state_file" -- "$@")" || exit 2
   if [[ -n "$final" ]]; then
     exit "$final"
   fi

@@ -65,6 +65,11 @@ FINAL_EXIT_CODES = frozenset(
     }
 )
 
+# Final codes a corrected input sets aside (x1_watchdog.inputs): the trainer refused its config or
+# data (2), or failed twice at start-up with the same error (81). Once what it was given has
+# changed, it is launched again and resumes from its checkpoint. Never a finished run or a stop.
+FIXABLE_EXIT_CODES = frozenset({ExitCode.USAGE, ExitCode.STARTUP_FAILED})
+
 # The manifest's `end` field and the watchdog's events speak these words.
 END_REASONS = {
     ExitCode.FINISHED: "finished",

@@ -334,7 +334,9 @@ class Ledger:
         """budget.json's content, or None while no rate has ever been known."""
         if self.rate_usd_per_hr is None:
             return None
-        rest_h = max(planned_hours - self.hours_elapsed, 0.0) if planned_hours else 0.0
+        # A terminated instance bills no more: its projection is its spend, whatever was planned.
+        ended = self.instance_status == "terminated"
+        rest_h = max(planned_hours - self.hours_elapsed, 0.0) if planned_hours and not ended else 0.0
         return BudgetReading(
             spent_usd=round(self.spent_usd, 6),
             rate_usd_per_hr=self.rate_usd_per_hr,

@@ -219,7 +219,8 @@ class Poller:
         written = False
         if doc is not None and reading is not None:
             # Informative: without planned hours the projection has no remaining-time term, and says so.
-            doc["projection"] = s.projection_basis
+            doc["projection"] = ("spent: the instance is terminated" if self.ledger.instance_status == "terminated"
+                                 else s.projection_basis)
             doc["planned_hours"] = s.planned_hours
             written = self._write(s.output, lambda: write_json_atomic(s.output, doc))
             log.info(

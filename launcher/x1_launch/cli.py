@@ -54,7 +54,7 @@ from x1_pretrain.config import ConfigError, RunConfig
 from x1_pretrain.run.launch_check import LaunchCheck, launch_check
 from x1_pretrain.run.plan import main as plan_main
 from x1_pretrain.stack import services
-from x1_pretrain.stack.services import DEFAULTS, Settings, SettingsError, read_env_file
+from x1_pretrain.stack.services import DEFAULTS, Settings, SettingsError, load_env_file
 from x1_pretrain.stack.status import describe_decision
 from x1_pretrain.train import parser as train_parser
 
@@ -189,12 +189,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def user_settings(env_file: Path | None) -> dict[str, str]:
+    """The .env's values, checked as the stack and compose check them: a key X1 does not read (and
+    the nearest it does) or a value of the wrong type is refused before anything is rented."""
     if env_file is None:
         return {}
     try:
-        return read_env_file(env_file)
+        values, warnings = load_env_file(env_file)
     except SettingsError as e:
         raise UsageError(str(e)) from None
+    for warning in warnings:
+        print(f"warning: {env_file}: {warning}", file=sys.stderr)
+    return values
 
 
 def setting(values: dict[str, str], name: str) -> str:
@@ -1160,6 +1165,16 @@ command that ends it are printed).
 """
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in the help once: argparse's `(default: X)` only where the help does not
+    name its default itself and there is one to name."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="x1", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{plan,launch,status,logs,fetch,down,ladder}")
@@ -1178,8 +1193,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("plan", help="today's plan: python -m x1_pretrain.plan's options (x1 plan --help)", add_help=False)
     sub.add_parser("ladder", help="the run's scaling ladder on the instance (x1 ladder --help)", add_help=False)
 
-    sp = sub.add_parser("launch", help="rent the instance and start the run on it",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp = sub.add_parser("launch", help="rent the instance and start the run on it", formatter_class=DefaultsOnce)
     common(sp, instance=False)
     sp.add_argument("--provider", choices=PROVIDERS, required=True)
     sp.add_argument("--env-file", type=Path, help="your .env (budget, steps, config; cp .env.example .env); the "

@@ -146,7 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "budget stop (76) or a refused launch (78) recorded for another total is set aside for this "
                         "re-plan: the trainer is launched again and judges the new plan against the budget")
     g.add_argument("--reset-state", action="store_true",
-                   help="forget the recorded decisions (a final stop included) and start a new run")
+                   help="forget every recorded decision (a final stop included) and the relaunch count. The trainer is "
+                        "launched again; with --resume-from-latest in its command (compose's and the stack's) it "
+                        "continues from its latest checkpoint: a new run needs a new checkpoint folder")
+    g.add_argument("--clear-final", action="store_true",
+                   help="set the recorded final decision aside (kept in the state file under `cleared`) and launch the "
+                        "trainer again; it resumes from its latest checkpoint. A bad config (2) or a start-up failure "
+                        "(81) is set aside without it once the trainer's inputs have changed")
     g.add_argument("--port", type=int, default=WATCHDOG_METRICS_PORT,
                    help=f"Prometheus /metrics port, 0 disables (default {WATCHDOG_METRICS_PORT})")
     g.add_argument("--metrics-host", default="127.0.0.1",
@@ -187,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="provider mode: alert when a brought-back instance is not running after this long (default 900)")
     return p
 
+
+# How often a watchdog holding after a final decision looks whether it still holds.
+HOLD_CHECK_SECONDS = 5.0
 
 # Beside the trainer, the records live on the shared volume; off the GPU host (provider mode),
 # in the directory the keeper runs from.
@@ -313,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
                     cleared.get("exit_code"), cleared.get("time"), cleared.get("total_steps"), args.total_steps)
         events.write("replan", exit_code=cleared.get("exit_code"), reason=cleared.get("reason"),
                      old_total_steps=cleared.get("total_steps"), new_total_steps=args.total_steps)
+    if args.clear_final and (cleared := state.clear_final("by hand: --clear-final")) is not None:
+        log.warning("--clear-final: the final decision %s (exit %s at %s) is set aside; launching the trainer, which "
+                    "resumes from its latest checkpoint", cleared.get("reason"), cleared.get("exit_code"),
+                    cleared.get("time"))
+        events.write("cleared", exit_code=cleared.get("exit_code"), reason=cleared.get("reason"), why=cleared["why"])
     metrics = WatchdogMetrics()
     events.on_write = metrics.last_decision
     writes.on_change = metrics.write_error
@@ -321,6 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{error}\nThe watchdog goes on supervising the trainer and writes again at its next decision; its "
         "decisions since are in its log only. Free space (or remount read-write) on that disk.", {"error": error})
     metrics.write_error(writes.last_error)  # a write that failed before /metrics existed
+    handle: TrainerHandle | None = None
+    if args.mode != "provider":
+        try:
+            handle = make_handle(args, command, metrics)
+        except StartError as e:
+            log.error("%s", e)
+            return ExitCode.USAGE
+        clear_if_fixed(state, handle, events)
     if state.final is not None:  # a decision taken by an earlier watchdog: shown until a new one
         metrics.last_decision({"event": "final", **state.final})
     metrics.serve(args.port, args.metrics_host)
@@ -357,11 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir is not None and args.keep_run_dir is None:
             log.warning("--terminate-on-finish without --keep-run-dir: the run folder %s would die with the instance, "
                         "so the terminate at the end will be refused (set RESULTS_DIR)", args.run_dir)
-    try:
-        handle = make_handle(args, command, metrics)
-    except StartError as e:
-        log.error("%s", e)
-        return ExitCode.USAGE
+    assert handle is not None
     supervisor = Supervisor(
         handle,
         StallDetector(args.heartbeat_file, args.stall_seconds, args.startup_grace_seconds),
@@ -370,28 +388,56 @@ def main(argv: list[str] | None = None) -> int:
                            forward_stop=args.mode != "docker"),
         state, events, metrics, alerter, stop, on_final,
     )
-    try:
-        code = supervisor.run()
-    except StartError as e:
-        log.error("%s", e)
-        return ExitCode.USAGE
-    if code == ExitCode.TERMINATE_UNCONFIRMED:
-        # Not held: the restart that follows (compose's unless-stopped, the stack's runner) reads the
-        # instance back and sends the terminate again.
-        log.error("exiting %d: the instance %s may still bill (see the alert and %s)", code, args.instance_id,
-                  args.termination_file)
-        return code
-    if args.hold_after_final and state.final is not None:
-        hold(stop, code)
-    return code
+    while True:
+        try:
+            code = supervisor.run()
+        except StartError as e:
+            log.error("%s", e)
+            return ExitCode.USAGE
+        if code == ExitCode.TERMINATE_UNCONFIRMED:
+            # Not held: the restart that follows (compose's unless-stopped, the stack's runner) reads the
+            # instance back and sends the terminate again.
+            log.error("exiting %d: the instance %s may still bill (see the alert and %s)", code, args.instance_id,
+                      args.termination_file)
+            return code
+        if not (args.hold_after_final and state.final is not None) or not hold(stop, code, state, handle, events):
+            return code
 
 
-def hold(stop: StopRequest, code: int) -> None:
-    """Stays up after a final decision until asked to stop. Under a restart-always policy
-    (compose's `unless-stopped`), a watchdog that exits is started again only to exit again."""
-    log.info("final decision (exit code %d) taken; holding until SIGTERM/SIGINT (--hold-after-final)", code)
-    while not stop.wait(3600):
-        pass
+def clear_if_fixed(state: StateStore, handle: TrainerHandle, events: EventLog) -> bool:
+    """A bad-config or start-up-failure decision whose trainer is now given other inputs (a fixed
+    .env, re-prepared data): set aside, said in the log and the events. True when it was."""
+    if not state.fixed_by(inputs := handle.inputs()):
+        return False
+    cleared = state.clear_for_fix(inputs)
+    assert cleared is not None
+    log.warning("the final decision %s (exit %s at %s) refused other inputs; changed since: %s. Launching the trainer "
+                "again: it resumes from its latest checkpoint", cleared.get("reason"), cleared.get("exit_code"),
+                cleared.get("time"), "; ".join(cleared["changed"]))
+    events.write("fixed", exit_code=cleared.get("exit_code"), reason=cleared.get("reason"), changed=cleared["changed"])
+    return True
+
+
+def hold(stop: StopRequest, code: int, state: StateStore, handle: TrainerHandle, events: EventLog) -> bool:
+    """Stays up after a final decision until asked to stop (False), or until the decision no longer
+    holds (True: supervise again): set aside by hand (gate --clear), or a bad config or start-up
+    failure whose trainer is now given other inputs (compose recreated its container from a fixed
+    .env). Under a restart-always policy (compose's `unless-stopped`), a watchdog that exits is
+    started again only to exit again."""
+    log.info("final decision (exit code %d) taken; holding until SIGTERM/SIGINT (--hold-after-final), or until it is "
+             "set aside", code)
+    while not stop.wait(HOLD_CHECK_SECONDS):
+        try:
+            state.reload()
+        except StateError as e:
+            log.error("%s", e)
+            continue
+        if state.final is None:
+            log.warning("the final decision was set aside by hand; supervising the trainer again")
+            return True
+        if clear_if_fixed(state, handle, events):
+            return True
+    return False
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import requests
 from docker.errors import APIError, DockerException, NotFound
 
 from x1_watchdog.handles import TrainerExit, TrainerUnreachable
+from x1_watchdog.inputs import command_inputs
 from x1_watchdog.policy import OUTPUT_TAIL_BYTES
 
 log = logging.getLogger(__name__)
@@ -310,6 +311,18 @@ class DockerHandle:
 
     def identity(self) -> dict[str, Any] | None:
         return {"container": self.container}
+
+    def inputs(self) -> dict[str, Any] | None:
+        """The container's command and environment as compose (re)created it; None while the engine
+        cannot be reached."""
+        try:
+            config = self._call(f"docker inspect {self.container}",
+                                lambda api: api.inspect_container(self.container)).get("Config") or {}
+        except TrainerUnreachable as e:
+            log.debug("cannot read the trainer container's settings: %s", e)  # held: asked again in seconds
+            return None
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in config.get("Env") or [])
+        return command_inputs([*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])], env)
 
     def output_tail(self) -> str | None:
         """The container's output since this trainer started (`docker logs --since --tail`); the SDK

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from x1_common.contracts import end_reason, redact, should_relaunch
 from x1_common.procs import proc_start_ticks
+from x1_watchdog.inputs import command_inputs
 from x1_watchdog.policy import OUTPUT_TAIL_BYTES
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ class TrainerHandle(Protocol):
 
     def identity(self) -> dict[str, Any] | None:
         """What the state file keeps to recognise this trainer after a watchdog restart."""
+        ...
+
+    def inputs(self) -> dict[str, Any] | None:
+        """What a launch of the trainer is given now (x1_watchdog.inputs): its arguments, its own
+        variables, its config and data files. None when it cannot be seen (an engine out of reach)."""
         ...
 
     def output_tail(self) -> str | None:
@@ -183,6 +189,10 @@ class ProcessHandle:
         if self._proc is None:
             return None
         return {"pid": self._proc.pid, "proc_start_ticks": proc_start_ticks(self._proc.pid)}
+
+    def inputs(self) -> dict[str, Any] | None:
+        # The child inherits this process's environment, less what an `env -u` prefix removes.
+        return command_inputs(self.argv(resume=True), os.environ)
 
     def output_tail(self) -> str | None:
         """From --trainer-log, what this trainer appended. Without it the output went to the

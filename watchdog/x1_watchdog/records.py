@@ -23,8 +23,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from x1_common.contracts import CLOCK_SKEW_S, finite_number, parse_json_strict, read_file_bytes, read_json_file
+from x1_common.contracts import (
+    CLOCK_SKEW_S,
+    FIXABLE_EXIT_CODES,
+    finite_number,
+    parse_json_strict,
+    read_file_bytes,
+    read_json_file,
+)
 from x1_common.fsutil import WriteHealth, disk_faults_named, write_json_atomic
+from x1_watchdog.inputs import changes
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +133,10 @@ class StateStore:
     """The watchdog's persistent memory.
 
     `final` is the run-level decision (finished, budget stop, divergence, bad config, given up,
-    start-up failure):
-    once set, no watchdog relaunches anything until a person passes --reset-state. `restart_times`
+    start-up failure): once set, no watchdog relaunches anything, except that a bad config or a
+    start-up failure is set aside once the launch's `inputs` (x1_watchdog.inputs) have changed
+    (clear_for_fix: the mistake was corrected), a budget stop for a re-plan (clear_for_replan), and
+    any by hand (clear_final: --clear-final; --reset-state forgets everything). `restart_times`
     are the wall-clock times of relaunches, so the give-up window survives a watchdog restart.
     `instance_id` is the instance being followed in provider mode (a Lambda relaunch gets a new id).
 
@@ -197,14 +207,16 @@ class StateStore:
         if not _plain_int(data.get("restarts_total")):
             fixes.append(f"restarts_total {_short(data.get('restarts_total'))} is not a count: recounted as {len(kept)}")
             data["restarts_total"] = len(kept)
-        for key, kinds in (("trainer", dict), ("last_exit", dict), ("instance_id", str), ("origin_instance_id", str)):
+        for key, kinds in (("trainer", dict), ("last_exit", dict), ("instance_id", str), ("origin_instance_id", str),
+                           ("inputs", dict)):
             value = data.get(key)
             if value is not None and not isinstance(value, kinds):
                 fixes.append(f"{key} {_short(value)} is not a {kinds.__name__}: dropped")
                 data[key] = None
-        if not isinstance(data.get("replans", []), list):
-            fixes.append(f"replans {_short(data.get('replans'))} is not a list: dropped")
-            data["replans"] = []
+        for key in ("replans", "cleared"):
+            if not isinstance(data.get(key, []), list):
+                fixes.append(f"{key} {_short(data.get(key))} is not a list: dropped")
+                data[key] = []
         for fix in fixes:
             log.warning("state file %s: %s", self.path, fix)
         return data
@@ -264,9 +276,15 @@ class StateStore:
         """The identity of the trainer started last (see TrainerHandle.identity)."""
         return self.data.get("trainer")
 
-    def record_start(self, trainer: dict[str, Any] | None = None) -> int:
+    @property
+    def inputs(self) -> dict[str, Any] | None:
+        """What the trainer started last was given (x1_watchdog.inputs), when known."""
+        return self.data.get("inputs")
+
+    def record_start(self, trainer: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None) -> int:
         self.data["starts"] += 1
         self.data["trainer"] = trainer
+        self.data["inputs"] = inputs
         self._save()
         return self.starts
 
@@ -289,8 +307,43 @@ class StateStore:
 
     def record_final(self, exit_code: int, reason: str, **extra: Any) -> None:
         plan = {"total_steps": self.total_steps} if self.total_steps is not None else {}
-        self.data["final"] = {"exit_code": exit_code, "reason": reason, "time": iso_time(), **plan, **extra}
+        # What the refused launch was given: a later launch with other inputs is a corrected mistake.
+        given = {"inputs": self.inputs} if exit_code in FIXABLE_EXIT_CODES and self.inputs else {}
+        self.data["final"] = {"exit_code": exit_code, "reason": reason, "time": iso_time(), **plan, **given, **extra}
         self._save()
+
+    def reload(self) -> None:
+        """The file as it is now (another process may have cleared the decision: gate --clear);
+        StateError as at start when it cannot be trusted."""
+        self.data = self._load()
+
+    def fixed_by(self, inputs: dict[str, Any] | None) -> list[str]:
+        """How `inputs` differ from those a bad-config or start-up-failure decision refused, in words;
+        [] when there is no such decision or nothing both sides can see has changed."""
+        final = self.final
+        if final is None or final.get("exit_code") not in FIXABLE_EXIT_CODES:
+            return []
+        return changes(final.get("inputs"), inputs)
+
+    def clear_for_fix(self, inputs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A bad-config (2) or start-up-failure (81) decision whose launch inputs have changed since:
+        the mistake was corrected, so it is set aside (kept under `cleared`, with what changed) and
+        the trainer launched again; it resumes from its latest checkpoint. Returns the decision set
+        aside, None when nothing was cleared."""
+        changed = self.fixed_by(inputs)
+        return self._set_aside(f"its inputs changed: {'; '.join(changed)}", changed=changed) if changed else None
+
+    def clear_final(self, why: str) -> dict[str, Any] | None:
+        """Any final decision set aside by hand (kept under `cleared`): the trainer is launched again
+        and resumes from its latest checkpoint. None when there was none."""
+        return self._set_aside(why) if self.final is not None else None
+
+    def _set_aside(self, why: str, **extra: Any) -> dict[str, Any]:
+        record = {**self.final, "cleared": iso_time(), "why": why, **extra}  # type: ignore[dict-item]
+        self.data.setdefault("cleared", []).append(record)
+        self.data["final"] = None
+        self._save()
+        return record
 
     def clear_for_replan(self) -> dict[str, Any] | None:
         """A budget stop (76) or a refused launch (78) whose run is now planned with other total

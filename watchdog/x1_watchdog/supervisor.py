@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from x1_common.contracts import ExitCode, end_reason
+from x1_common.contracts import FIXABLE_EXIT_CODES, ExitCode, end_reason, redact
 from x1_watchdog.handles import TrainerExit, TrainerHandle, TrainerUnreachable
 from x1_watchdog.metrics import WatchdogMetrics
-from x1_watchdog.policy import LaunchProgress, RestartPolicy, StallDetector, StartupFailure
+from x1_watchdog.policy import LaunchProgress, RestartPolicy, StallDetector, StartupFailure, error_line
 from x1_watchdog.records import EventLog, StateStore
 
 log = logging.getLogger(__name__)
@@ -147,10 +147,13 @@ class Supervisor:
         """Supervises until a final decision or a stop request; returns the watchdog's exit code."""
         final = self.state.final
         if final is not None:
+            fixable = final["exit_code"] in FIXABLE_EXIT_CODES
             log.warning(
-                "state file %s holds a final decision (%s, exit code %d at %s): not launching the trainer; "
-                "pass --reset-state to start a new run",
+                "state file %s holds a final decision (%s, exit code %d at %s): not launching the trainer%s; "
+                "--clear-final sets it aside by hand (the run resumes from its latest checkpoint)",
                 self.state.path, final.get("reason"), final["exit_code"], final.get("time"),
+                " until what it refused has changed (the trainer's arguments and variables, the data's meta.json)"
+                if fixable and final.get("inputs") else "",
             )
             override = self.on_final(final["exit_code"], str(final.get("reason")))
             return int(final["exit_code"]) if override is None else override
@@ -227,7 +230,7 @@ class Supervisor:
         self._reachable()
         self.detector.arm(self.handle.started_at)
         self.progress.arm(self.handle.started_at)
-        self.state.record_start(self.handle.identity())
+        self.state.record_start(self.handle.identity(), self.handle.inputs())
         self.metrics.set_up(True)
         self.events.write(
             "start", pid=self.handle.pid, trainer=self.handle.label, resume=resume,
@@ -339,7 +342,9 @@ class Supervisor:
 
     def _final(self, ex: TrainerExit) -> int:
         reason = ex.reason
-        self.state.record_final(ex.code, reason)
+        # A refused config or data: the line naming what was wrong, for `stack status` and the person.
+        error = redact(error_line(self.handle.output_tail() or ""))[:1000] if ex.code == ExitCode.USAGE else ""
+        self.state.record_final(ex.code, reason, **({"error": error} if error else {}))
         log.info("trainer exited with %d (%s): final, not relaunching", ex.code, reason)
         if ex.code in ALERT_EXIT_CODES:
             self.alerter.send(

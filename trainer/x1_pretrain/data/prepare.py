@@ -1,7 +1,7 @@
 """`python -m x1_pretrain.prepare`: download the pretraining text and tokenize it, in one command.
 
-    python -m x1_pretrain.prepare --output-dir /workspace/data [--source fineweb-edu|pile-cc]
-        [--max-shards N] [--workers 16] [--val-fraction 0.001] [--seed 42] [--no-fallback] [--force]
+    python -m x1_pretrain.prepare --output-dir /workspace/data [--source fineweb-edu|fineweb-edu-100bt|pile-cc]
+        [--max-shards N] [--max-tokens N] [--workers 16] [--val-fraction 0.001] [--seed 42] [--no-fallback] [--force]
 
 The lab's data recipe as one step (compose runs it as the one-shot `prepare` service):
 1. FineWeb-Edu `sample/10BT/*.parquet` from the Hugging Face hub into `<output-dir>/fineweb-edu/`;
@@ -9,6 +9,10 @@ The lab's data recipe as one step (compose runs it as the one-shot `prepare` ser
 3. when the hub refuses (gated, bad token, rate limit), the lab's fallback: the Pile
    (`monology/pile-uncopyrighted`, `test/*.jsonl.zst`) into `<output-dir>/pile-cc/`;
 4. `x1_pretrain.tokenize_data` into `<output-dir>/tokenized` (train.bin, val.bin, meta.json).
+
+A plan that trains on more tokens than sample/10BT holds (~10B; `plan` says how many passes over it
+the run makes) can have one pass of unique tokens instead: `--source fineweb-edu-100bt --max-tokens
+N` fetches the first shards of sample/100BT that hold N tokens (plan states the disk and the time).
 
 Every step resumes: files already downloaded are not fetched again and shards already tokenized
 are not redone, so after an interruption the same command continues. HF_TOKEN (read-only is
@@ -47,6 +51,12 @@ class Source:
     repo_id: str
     pattern: str  # files to fetch, relative to the repo root (fnmatch, as the hub's allow_patterns)
     seed_shards: int | None  # how many files the lab expects from a full download
+    tokens: float | None = None  # GPT-2 tokens in the whole sample, as its name says (None: not stated)
+    title: str = ""  # what people call it
+
+    @property
+    def label(self) -> str:
+        return self.title or f"{self.repo_id} {Path(self.pattern).parent}"
 
     def local_dir(self, output_dir: Path) -> Path:
         return output_dir / self.name
@@ -60,15 +70,73 @@ class Source:
         return sorted(p for p in folder.glob(Path(self.pattern).name) if p.is_file())
 
 
-FINEWEB_EDU = Source("fineweb-edu", "HuggingFaceFW/fineweb-edu", "sample/10BT/*.parquet", seed_shards=96)
+FINEWEB_EDU = Source("fineweb-edu", "HuggingFaceFW/fineweb-edu", "sample/10BT/*.parquet", seed_shards=96,
+                     tokens=10e9, title="FineWeb-Edu sample/10BT")
+# The larger sample, for a plan that buys more tokens than sample/10BT holds: fetched only as far
+# as --max-tokens asks (the whole sample is ten times 10BT's disk).
+FINEWEB_EDU_100BT = Source("fineweb-edu-100bt", "HuggingFaceFW/fineweb-edu", "sample/100BT/*.parquet",
+                           seed_shards=None, tokens=100e9, title="FineWeb-Edu sample/100BT")
 # The lab's Option B: same shape (documents with a `text` field), lower quality, far fewer tokens.
 PILE_CC = Source("pile-cc", "monology/pile-uncopyrighted", "test/*.jsonl.zst", seed_shards=None)
-SOURCES = {s.name: s for s in (FINEWEB_EDU, PILE_CC)}
-FALLBACK = {FINEWEB_EDU.name: PILE_CC}
+SOURCES = {s.name: s for s in (FINEWEB_EDU, FINEWEB_EDU_100BT, PILE_CC)}
+FALLBACK = {FINEWEB_EDU.name: PILE_CC, FINEWEB_EDU_100BT.name: PILE_CC}
 
-# Downloads the shards of `source` into its local folder (at most `max_shards`, None = all) and
-# returns how many shards the hub lists for the pattern. Tests inject their own.
-Fetch = Callable[[Source, Path, int | None], int]
+# What a download costs, for plan's estimate before anything is fetched: FineWeb-Edu's parquet
+# (text and its metadata columns, compressed) is ~2.2 bytes per GPT-2 token (sample/10BT: ~22 GB
+# for its ~10B tokens), the tokenized copy 2 bytes (uint16), and the tokenizer runs at ~2.9M
+# tokens/s per worker (raw tiktoken on English prose, docs/PERFORMANCE.md). Estimates: the
+# download itself goes at whatever rate the hub and the host's network give.
+PARQUET_BYTES_PER_TOKEN = 2.2
+TOKEN_BYTES = 2
+TOKENIZE_TOKENS_PER_S_PER_WORKER = 2.9e6
+
+
+@dataclass(frozen=True)
+class DataNeed:
+    """The unique tokens a run wants against a sample's, and what fetching them costs."""
+
+    tokens: float  # what the run trains on
+    source: Source
+    passes: float  # over the sample's tokens
+    parquet_gb: float
+    tokens_gb: float
+    tokenize_minutes: float
+
+    @property
+    def disk_gb(self) -> float:
+        return self.parquet_gb + self.tokens_gb
+
+
+def data_need(tokens: float, source: Source = FINEWEB_EDU, workers: int = 16) -> DataNeed:
+    """What `tokens` of training ask of `source`: the passes over it, and the disk and tokenizing
+    time of fetching that many unique tokens (from the larger sample when one pass is more than
+    `source` holds). Assumes `source` states its size (FineWeb-Edu's samples do)."""
+    assert source.tokens, f"{source.name} states no token count"
+    unique = min(tokens, FINEWEB_EDU_100BT.tokens or tokens)
+    return DataNeed(tokens=tokens, source=source, passes=tokens / source.tokens,
+                    parquet_gb=unique * PARQUET_BYTES_PER_TOKEN / 1e9, tokens_gb=unique * TOKEN_BYTES / 1e9,
+                    tokenize_minutes=unique / (TOKENIZE_TOKENS_PER_S_PER_WORKER * workers) / 60.0)
+
+
+def shards_for_tokens(sizes: Sequence[int], sample_tokens: float, tokens: float) -> int:
+    """How many of the listed shards (in order, their sizes in bytes) hold `tokens` of a sample of
+    `sample_tokens`, counting each byte of parquet as the same share of the sample's tokens; 2%
+    more for the val split and the unevenness of shards, at least one."""
+    total = sum(sizes)
+    if total <= 0 or tokens >= sample_tokens:
+        return len(sizes)
+    want, have = total * min(1.0, tokens * 1.02 / sample_tokens), 0
+    for i, size in enumerate(sizes, start=1):
+        have += size
+        if have >= want:
+            return i
+    return len(sizes)
+
+# Downloads the shards of `source` into its local folder (at most `max_shards`, None = all; with
+# `max_tokens`, the first ones that hold that many tokens) and returns how many shards the download
+# is to have: all the hub lists for the pattern, or the first ones `max_tokens` asked for. Tests
+# inject their own.
+Fetch = Callable[[Source, Path, "int | None", "float | None"], int]
 # Runs the tokenizer with these arguments and returns its exit code. Tests inject their own.
 Tokenize = Callable[[Sequence[str]], int]
 
@@ -77,7 +145,7 @@ def hub_token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
-def hub_fetch(source: Source, local_dir: Path, max_shards: int | None) -> int:
+def hub_fetch(source: Source, local_dir: Path, max_shards: int | None, max_tokens: float | None = None) -> int:
     """The real download, through huggingface_hub (imported here: only this step needs it)."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.hf_api import RepoFile
@@ -89,6 +157,10 @@ def hub_fetch(source: Source, local_dir: Path, max_shards: int | None) -> int:
     listed = sorted((e for e in entries if isinstance(e, RepoFile) and fnmatch.fnmatch(e.path, source.pattern)),
                     key=lambda e: e.path)
     wanted = listed[:max_shards] if max_shards else listed
+    if max_tokens and source.tokens:
+        wanted = wanted[:shards_for_tokens([e.size or 0 for e in listed], source.tokens, max_tokens)]
+        log.info("%s: %s tokens of the sample's ~%.0fB are in its first %d shards", source.label,
+                 f"{max_tokens / 1e9:.1f}B", source.tokens / 1e9, len(wanted))
     need_bytes = sum(e.size or 0 for e in wanted)
     log.info("%s: the hub lists %d shards under %s; fetching %d (%.1f GB)",
              source.repo_id, len(listed), source.pattern, len(wanted), need_bytes / 1e9)
@@ -101,7 +173,7 @@ def hub_fetch(source: Source, local_dir: Path, max_shards: int | None) -> int:
     if wanted:
         snapshot_download(source.repo_id, repo_type="dataset", allow_patterns=[e.path for e in wanted],
                           local_dir=local_dir, token=token)
-    return len(listed)
+    return len(wanted) if max_tokens and source.tokens else len(listed)
 
 
 def run_tokenizer(args: Sequence[str]) -> int:
@@ -143,6 +215,18 @@ def check_shards(found: int, listed: int, max_shards: int | None, seed_shards: i
     return ShardCheck(True, f"{found} of {wanted} shards on disk", warning)
 
 
+def tokens_arg(text: str) -> float:
+    """A token count: 23B, 2.3e10, 500M."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}.get(text[-1:].lower(), 1.0)
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (23B, 2.3e10)") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count is at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m x1_pretrain.prepare",
@@ -151,8 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", type=Path, required=True,
                    help="data root: downloads go to <dir>/fineweb-edu or <dir>/pile-cc, tokens to <dir>/tokenized")
     p.add_argument("--source", default=FINEWEB_EDU.name, choices=list(SOURCES),
-                   help="fineweb-edu (default; the Pile when the hub refuses it) or pile-cc")
+                   help="fineweb-edu (sample/10BT, ~10B tokens: the default; the Pile when the hub refuses it), "
+                        "fineweb-edu-100bt (sample/100BT, ~100B: for a plan that buys more tokens than 10BT holds, "
+                        "with --max-tokens) or pile-cc")
     p.add_argument("--max-shards", type=int, default=0, help="fetch only the first N shards (0 = all, the default)")
+    p.add_argument("--max-tokens", type=tokens_arg, metavar="N",
+                   help="fetch only the first shards that hold N tokens (23B, 2.3e10): the unique tokens `plan` "
+                        "says the run trains on, so that it makes one pass over its data; plan states the disk "
+                        "and time")
     p.add_argument("--workers", type=int, default=16, help="tokenizer processes (the lab's 16)")
     p.add_argument("--val-fraction", type=float, default=0.001, help="share of documents held out for val.bin")
     p.add_argument("--seed", type=int, default=42, help="seed of the train/val split")
@@ -187,7 +277,7 @@ def prepare(args: argparse.Namespace, fetch: Fetch, tokenize: Tokenize) -> int:
         candidates.append(FALLBACK[args.source])
     for i, source in enumerate(candidates):
         try:
-            listed = fetch(source, source.local_dir(out), max_shards)
+            listed = fetch(source, source.local_dir(out), max_shards, args.max_tokens)
         except Exception as e:  # the command's edge: any failure becomes one clear line and exit 1
             if hub_refused(e) and i + 1 < len(candidates):
                 log.warning("the hub refused %s (%s); falling back to %s", source.repo_id, e, candidates[i + 1].repo_id)
@@ -198,7 +288,8 @@ def prepare(args: argparse.Namespace, fetch: Fetch, tokenize: Tokenize) -> int:
         break
 
     shards = source.shards(out)
-    check = check_shards(len(shards), listed, max_shards, source.seed_shards)
+    # The lab's ~96 shards are those of a whole sample/10BT, not of the first ones --max-tokens asks for.
+    check = check_shards(len(shards), listed, max_shards, None if args.max_tokens else source.seed_shards)
     if not check.ok:
         log.error("%s: %s", source.shard_dir(out), check.message)
         return FAILED

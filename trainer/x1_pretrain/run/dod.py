@@ -88,11 +88,21 @@ def check_manifest(manifest: dict[str, Any] | None, problem: str) -> Check:
         missing.append("spent_usd")
     if missing:
         return Check(1, name, False, f"manifest.json lacks {', '.join(missing)}")
-    c = cluster or {}
     spent = manifest["spent_usd"]
     return Check(1, name, True, f"seed {manifest['seed']}, torch {versions['torch']}, flash-attn {versions['flash-attn']}, "
-                 f"config {str(manifest['config_sha256'])[:12]}, {c.get('gpu_count')}x {c.get('gpu_name')} on "
-                 f"{c.get('provider', '?')}, spent_usd {'null (see check 4)' if spent is None else spent}")
+                 f"config {str(manifest['config_sha256'])[:12]}, {machine(cluster or {})}, "
+                 f"spent_usd {'null (see check 4)' if spent is None else spent}")
+
+
+def machine(cluster: dict[str, Any]) -> str:
+    """The manifest's machine in words: `1x NVIDIA A100-SXM4-80GB on lambda`, `no GPU (CPU, 2 vCPUs)`."""
+    count, name = cluster.get("gpu_count"), cluster.get("gpu_name")
+    provider = cluster.get("provider")
+    where = f" on {provider}" if provider and provider != "unknown" else ""
+    if not isinstance(count, (int, float)) or count < 1 or name in (None, "", "none", "unknown"):
+        cpu = cluster.get("cpu")
+        return f"no GPU (CPU{f', {cpu}' if cpu and cpu != 'unknown' else ''}){where}"
+    return f"{int(count)}x {name}{where}"
 
 
 def judged_band(manifest: dict[str, Any] | None, flag: tuple[float, float] | None) -> tuple[DeclaredBand, str]:

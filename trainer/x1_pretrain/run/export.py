@@ -37,6 +37,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from x1_common.contracts import (
+    END_REASONS,
+    FINAL_EXIT_CODES,
     MLFLOW_FORECAST_METRICS,
     MLFLOW_GRAD_NORM,
     MLFLOW_LOSS,
@@ -66,6 +68,7 @@ from x1_common.fsutil import (
     write_json_atomic,
     write_text_atomic,
 )
+from x1_common.projection import at_finish
 from x1_common.restarts import label as restart_label
 from x1_common.scaling import DeclaredBand, declare_band
 from x1_pretrain.checkpoint.store import MARKER
@@ -145,7 +148,8 @@ def _join_by_step(a: Series, b: Series) -> list[tuple[float, float]]:
 
 
 def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predicted: float | None,
-                 clip: float | None, title: str, restart_cost: dict[str, Any] | None = None) -> None:
+                 clip: float | None, title: str, restart_cost: dict[str, Any] | None = None,
+                 model: dict[str, Any] | None = None) -> None:
 
     # One band per restart, from its stop to the relaunched process's first step (x1_common.restarts).
     bands = restart_bands(record.raw.get(MLFLOW_WALL_HOURS, []), (restart_cost or {}).get("restarts", []))
@@ -157,7 +161,8 @@ def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predic
     plots.loss_curve(out / "loss-curve.png", record.get(MLFLOW_LOSS), record.get(MLFLOW_VAL_LOSS), band=band,
                      predicted=predicted, title=f"{title}: loss", injection=window,
                      forecast=history_from_series(*(record.get(k) for k in MLFLOW_FORECAST_METRICS)),
-                     spikes=[(s, v) for s, v in record.get("spike_loss") if s in flagged])
+                     spikes=[(s, v) for s, v in record.get("spike_loss") if s in flagged],
+                     lab_expected=plots.is_lab_model(model))  # the 50M run's table, not a tiny run's
     plots.gradnorm_curve(out / "gradnorm-curve.png", record.get(MLFLOW_GRAD_NORM), record.get(MLFLOW_PARAM_NORM), clip=clip,
                          title=f"{title}: gradient and parameter norms", injection=window,
                          spikes=record.get("spike_grad_norm"))
@@ -369,7 +374,7 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         write_text_atomic(tmp / "metrics.csv", metrics_csv(record.series), durable=False)
         write_text_atomic(tmp / "mlflow-run-uri.txt", run_uri_text(record), durable=False)
         if inputs.budget is not None:
-            _copy_json_scrubbed(inputs.budget, tmp / "budget.json")
+            _copy_budget(inputs.budget, tmp / "budget.json", end)
         if termination is not None and termination["file"] == "termination.png":
             shutil.copyfile(inputs.termination, tmp / "termination.png")  # type: ignore[arg-type]
             note = inputs.termination.with_name("termination-note.txt")  # type: ignore[union-attr]
@@ -379,7 +384,8 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             _copy_json_scrubbed(inputs.termination, tmp / "termination.json")  # type: ignore[arg-type]
         clip = _float_or_none((manifest["config"].get("optim") or {}).get("grad_clip"))
         title = f"{record.run_name or record.run_id[:8]} ({manifest['config_name']})"
-        draw_figures(tmp, record, band, manifest["predicted_val_loss"], clip, title, manifest.get("restart_cost"))
+        draw_figures(tmp, record, band, manifest["predicted_val_loss"], clip, title, manifest.get("restart_cost"),
+                     manifest["config"].get("model"))
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / "manifest.json", manifest)  # last: a folder with a manifest is complete
         make_readable(tmp)  # mkdtemp made it private; the run folder is for reading
@@ -414,6 +420,22 @@ def copy_weights(src: Path, dst: Path) -> str:
         raise ExportError(f"{src} changed while it was copied (sha256 {sha[:12]}, its marker says {expected[:12]}): "
                           "is the trainer still running? Export again")
     return sha
+
+
+# The manifest's `end` of a run that is over: nothing more is billed for it (a preemption is not an end).
+ENDED = frozenset({END_REASONS[code] for code in FINAL_EXIT_CODES} | {"given-up"})
+
+
+def _copy_budget(src: Path, dst: Path, end: str) -> None:
+    """The sidecar's last reading, for the run folder. Once the run is over, its projection is its
+    spend (x1_common.projection, as `status` shows it): the sidecar's own would still count the
+    planned hours a finished or stopped run never bills."""
+    doc = scrub(json.loads(src.read_text(encoding="utf-8")))
+    spent = doc.get("spent_usd") if isinstance(doc, dict) else None
+    if end in ENDED and isinstance(spent, (int, float)) and (finish := at_finish(spent, ended=True)) is not None:
+        doc["projected_total_usd"] = round(finish.usd, 6)
+        doc["projection"] = f"{finish.source} ({end})"
+    write_json_atomic(dst, doc, durable=False)
 
 
 def _copy_json_scrubbed(src: Path, dst: Path) -> None:

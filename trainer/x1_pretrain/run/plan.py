@@ -25,6 +25,7 @@ from pathlib import Path
 from x1_common.contracts import ExitCode
 from x1_common.scaling import LAB_BAND
 from x1_pretrain.config import ConfigError, RunConfig, load_config
+from x1_pretrain.data.prepare import FINEWEB_EDU, FINEWEB_EDU_100BT, data_need
 from x1_pretrain.train.accounting import (
     CHINCHILLA,
     GPU_DISPLAY,
@@ -36,9 +37,10 @@ from x1_pretrain.train.accounting import (
     fmt_count,
     mfu,
     param_counts,
-    steps_that_fit,
+    throughput_floor,
     usd,
 )
+from x1_pretrain.train.budget_guard import launch_projection
 from x1_pretrain.train.forecast_rule import rule_text
 from x1_pretrain.train.schedule import probe_plan
 
@@ -80,9 +82,19 @@ class Plan:
     tokens_per_sec: float
     tokens_per_sec_source: str
     mfu_datasheet: float
-    tokens: float
+    tokens: float  # what the proposed steps train on (proposed_total_steps x tokens_per_step)
     tokens_per_step: int
     proposed_total_steps: int
+    hours_total_steps: int  # what --hours would buy at this throughput
+    fits_total_steps: int  # what the trainer's launch check fits under the cap after the setup and other lines
+    floor_tokens_per_sec: float  # the hour-1 throughput floor the trainer will hold this run to
+    floor_source: str
+    config_total_steps: int  # the config's own total (the lab's 84,000), and what the launch check makes of it
+    config_hours: float  # billed training hours at this throughput, evals included, the margin not
+    config_projected_usd: float  # the trainer's projection at launch: spent before + rate x hours x (1 + margin)
+    data_source: str  # the sample `prepare` fetches by default
+    data_passes: float  # passes over it the proposed tokens make
+    one_pass: dict  # fetching the proposed tokens as unique ones: prepare's command, disk and tokenizing time
     cost_usd: float  # compute only, as in the sentence: what the proposed steps bill, setup included
     total_usd: float  # compute + the configured extra lines
     buffer_usd: float
@@ -158,26 +170,22 @@ def make_plan(
         tps, source = row.tokens_per_sec, row.source
     else:
         tps, source = float(tokens_per_sec), "given: --tokens-per-sec"
-    train_hours = max(hours - setup_hours, 0.0)
-    tokens = tps * train_hours * 3600.0
-    # The trainer refuses a launch whose steps, at this throughput plus its margin, would not finish
-    # under the cap once the setup hours are spent: propose no more than that, so that a plan's
-    # --total-steps is never refused by the trainer. The other lines of the budget (storage, egress,
-    # a restart held back) come off first.
-    # Its evals are counted as it counts them before measuring one: a forward over the eval tokens
-    # at three times the training rate, every eval_every steps.
-    eval_share = cfg.train.eval_windows * cfg.model.seq_len / (3.0 * cfg.train.tokens_per_step * cfg.train.eval_every)
-    # Cooldown probes: their steps are a fixed share of the run's (each probe_share x its fork step).
+    # What --hours buys: the steps their training hours hold at this throughput.
+    # Cooldown probes take a fixed share of the run's steps (each probe_share x its fork step).
     probe_share = cfg.train.cooldown_probe_share * sum(cfg.train.cooldown_probes)
-    step_s = cfg.train.tokens_per_step / tps * (1.0 + eval_share + probe_share)
-    fits = steps_that_fit(budget_usd - sum(extras.values()) - price_usd_per_hr * setup_hours, price_usd_per_hr,
-                          step_s, cfg.budget.margin)
-    if fits >= 1000:  # a round figure, as the trainer names one, with a little slack
-        fits = fits // 100 * 100
-    bought = int(tokens // (cfg.train.tokens_per_step * (1.0 + probe_share)))  # the probes' steps take their share
-    proposed = min(bought, fits)
-    # What the proposed steps bill, setup included: --hours when they fill it, fewer when the budget binds.
-    run_hours = hours if proposed == bought else setup_hours + proposed * step_s / 3600.0
+    bought = int(tps * max(hours - setup_hours, 0.0) * 3600.0 // (cfg.train.tokens_per_step * (1.0 + probe_share)))
+    # The trainer refuses a launch whose steps, at this throughput plus its margin, would not finish
+    # under the cap once the setup hours are spent (and the other lines of the budget: storage,
+    # egress, a restart held back): propose no more than that, so that a plan's --total-steps is
+    # never refused by the trainer. The same arithmetic as the trainer's launch check
+    # (budget_guard.launch_projection): its evals, as it counts them before measuring one.
+    before = price_usd_per_hr * setup_hours + sum(extras.values())
+    fits = launch_projection(cfg, max(bought, 1), tps, price_usd_per_hr, budget_usd, spent_usd=before).fits
+    proposed = max(min(bought, fits), 0)
+    # What the proposed steps bill, setup included: their training hours at this throughput, evals
+    # included (the margin is the trainer's slack, not a bill).
+    run_hours = setup_hours + (launch_projection(cfg, proposed, tps, price_usd_per_hr, budget_usd).hours
+                               if proposed else 0.0)
     cost = price_usd_per_hr * run_hours
     total = cost + sum(extras.values())
     reasons = []
@@ -193,7 +201,7 @@ def make_plan(
         reasons.append(f"projected {usd(total)} is over the budget {usd(budget_usd)}")
     verdict = "refuse" if reasons else "go"
     what = f"1× {GPU_DISPLAY.get(gpu, gpu)} {market} on {PROVIDER_DISPLAY.get(provider, provider)}"
-    shown_hours = f"{run_hours:g}" if run_hours == hours else f"{run_hours:.1f}"
+    shown_hours = f"{hours:g}" if proposed == bought and abs(run_hours - hours) < 0.05 else f"{run_hours:.1f}"
     sentence = (
         f"This will launch {what} at {usd(price_usd_per_hr)}/h, run ~{shown_hours} h including setup = {usd(cost)}. "
         f"Budget: {usd(budget_usd)}. "
@@ -203,8 +211,11 @@ def make_plan(
         if verdict == "go"
         else "Refused: " + "; ".join(reasons) + "."
     )
-    predicted = round(chinchilla_loss(counts["total"], tokens / (1.0 + probe_share) if proposed == bought else
-                                      proposed * cfg.train.tokens_per_step), 3)
+    tokens = proposed * cfg.train.tokens_per_step
+    predicted = round(chinchilla_loss(counts["total"], tokens), 3)
+    lab = launch_projection(cfg, cfg.train.total_steps, tps, price_usd_per_hr, budget_usd, spent_usd=before)
+    floor = throughput_floor(cfg.train, tps)
+    need = data_need(tokens)
     probes = probe_plan(cfg.train.cooldown_probes, cfg.train.cooldown_probe_share, proposed)
     probe_steps = sum(k for _, _, k in probes)
     eval_s = cfg.train.eval_windows * cfg.model.seq_len / (3.0 * tps)
@@ -232,6 +243,20 @@ def make_plan(
         tokens=tokens,
         tokens_per_step=cfg.train.tokens_per_step,
         proposed_total_steps=proposed,
+        hours_total_steps=bought,
+        fits_total_steps=fits,
+        floor_tokens_per_sec=floor[0],
+        floor_source=floor[1],
+        config_total_steps=cfg.train.total_steps,
+        config_hours=round(lab.hours, 3),
+        config_projected_usd=round(lab.projected_usd, 2),
+        data_source=FINEWEB_EDU.label,
+        data_passes=need.passes,
+        one_pass={"command": f"python -m x1_pretrain.prepare --output-dir /workspace/data --source "
+                             f"{FINEWEB_EDU_100BT.name} --max-tokens {tokens / 1e9:.1f}B",
+                  "source": FINEWEB_EDU_100BT.label, "disk_gb": round(need.disk_gb),
+                  "parquet_gb": round(need.parquet_gb), "tokens_gb": round(need.tokens_gb),
+                  "tokenize_minutes": round(need.tokenize_minutes)},
         cost_usd=round(cost, 2),
         total_usd=round(total, 2),
         buffer_usd=round(budget_usd - total, 2),
@@ -256,8 +281,8 @@ def make_plan(
 
 
 def render(plan: Plan, cfg: RunConfig) -> str:
-    seed_steps = cfg.train.total_steps
-    seed_tokens = seed_steps * cfg.train.tokens_per_step
+    """The sentence, then the numbers behind it. The table shows what the plan proposes (its hours,
+    steps, tokens and predicted loss), whichever of the hours, the budget or the price binds."""
     lines = [plan.sentence, ""]
     if plan.extras_usd:
         lines.append("Other lines of the budget (not in the sentence, which counts compute only):")
@@ -266,17 +291,25 @@ def render(plan: Plan, cfg: RunConfig) -> str:
         left = f"{usd(plan.buffer_usd)} left" if plan.buffer_usd >= 0 else f"{usd(-plan.buffer_usd)} over"
         lines.append(f"  {'total':<16} {usd(plan.total_usd)} of {usd(plan.budget_usd)}, {left}")
         lines.append("")
-    hours_needed = seed_tokens / plan.tokens_per_sec / 3600 + plan.setup_hours
+    train_hours = plan.proposed_hours - plan.setup_hours
+    passes = (f"~{plan.data_passes:.1f} passes over the data" if plan.data_passes > 1.05 else
+              "one pass over the data or less")
     rows = [
         ("parameters", f"{fmt_count(plan.params_non_embedding)} non-embedding, {fmt_count(plan.params_total)} total"),
         ("FLOPs/token", f"{plan.flops_per_token / 1e6:.0f}M (PaLM: 6 N_matmul + 12 L d T)"),
         ("tokens/s", f"{fmt_count(plan.tokens_per_sec)} ({plan.tokens_per_sec_source})"),
         ("MFU (datasheet)", f"{plan.mfu_datasheet:.3f}"),
-        ("training hours", f"{plan.hours - plan.setup_hours:g} (of {plan.hours:g}, {plan.setup_hours:g} h setup)"),
-        ("tokens bought", f"{fmt_count(plan.tokens)} = {int(plan.tokens // plan.tokens_per_step):,} steps of "
+        ("throughput floor", f"{fmt_count(plan.floor_tokens_per_sec)} tokens/s ({plan.floor_source}): under it in "
+                             "the first hour, the trainer says stop and diagnose" if plan.floor_tokens_per_sec else
+                             plan.floor_source),
+        ("training hours", f"{train_hours:.2f} (of {plan.proposed_hours:.2f}, {plan.setup_hours:g} h setup)"),
+        ("tokens bought", f"{fmt_count(plan.tokens)} = {plan.proposed_total_steps:,} steps of "
                           f"{fmt_count(plan.tokens_per_step)}"),
+        ("data", f"{fmt_count(plan.tokens)} tokens from {plan.data_source} (~{(FINEWEB_EDU.tokens or 0) / 1e9:g}B "
+                 f"tokens): {passes}"),
         ("max price", f"{usd(plan.max_price_usd_per_hr)}/h ({plan.max_price_source})"),
-        ("predicted val loss", f"{plan.predicted_val_loss:.2f} nats/token (Chinchilla fit, another corpus: a guide)"),
+        ("predicted val loss", f"{plan.predicted_val_loss:.2f} nats/token at {fmt_count(plan.tokens)} tokens "
+                               "(Chinchilla fit, another corpus: a guide)"),
         ("DoD band", f"[{plan.dod_band[0]:.2f}, {plan.dod_band[1]:.2f}] final val loss (check 2): the number to "
                      "believe"),
         ("Chinchilla-optimal", f"{fmt_count(plan.chinchilla_optimal_tokens)} tokens for {fmt_count(plan.params_total)} params (fit)"),
@@ -285,14 +318,27 @@ def render(plan: Plan, cfg: RunConfig) -> str:
     lines.append("")
     lines.append(f"Loss: {plan.band_note}.")
     lines.append("")
-    if plan.proposed_total_steps < seed_steps:
+    # What bounds the proposal: the hours asked, or the money (the budget, or a price that eats it).
+    before = f"after {plan.setup_hours:g} h of setup" + (" and the other lines" if plan.extras_usd else "")
+    fits = (f"the trainer's launch check (spent + rate x the hours the steps need, +{cfg.budget.margin:.0%}) fits "
+            f"{plan.fits_total_steps:,} steps under {usd(plan.budget_usd)} at {usd(plan.price_usd_per_hr)}/h {before}")
+    if plan.proposed_total_steps < plan.hours_total_steps:
+        lines.append(f"The money binds: {plan.hours:g} h would buy {plan.hours_total_steps:,} steps, but {fits}.")
+    else:
+        lines.append(f"The hours bind: {plan.hours:g} h buy {plan.hours_total_steps:,} steps; {fits}.")
+    if plan.config_total_steps > plan.proposed_total_steps:
+        verdict = ("over the cap: the trainer refuses them at launch (exit 78)"
+                   if plan.config_projected_usd > plan.budget_usd else "under the cap")
         lines.append(
-            f"The config's {seed_steps:,} steps = {fmt_count(seed_tokens)} tokens would need ~{hours_needed:.0f} h "
-            f"(~{usd(hours_needed * plan.price_usd_per_hr)}) at this speed."
-        )
-    if plan.proposed_total_steps < int(plan.tokens // plan.tokens_per_step):
-        lines.append(f"The trainer's own projection (spent + rate x the time left, +{cfg.budget.margin:.0%}) fits "
-                     f"{plan.proposed_total_steps:,} steps under {usd(plan.budget_usd)} after {plan.setup_hours:g} h of setup.")
+            f"The config's {plan.config_total_steps:,} steps = "
+            f"{fmt_count(plan.config_total_steps * plan.tokens_per_step)} tokens need {plan.config_hours:.1f} h of "
+            f"training at this speed: the trainer's launch check projects {usd(plan.config_projected_usd)} with the "
+            f"setup, {verdict}.")
+    if plan.data_passes > 1.05:
+        o = plan.one_pass
+        lines.append(f"One pass over unique tokens instead: `{o['command']}` fetches them from {o['source']}: "
+                     f"~{o['parquet_gb']} GB of parquet and ~{o['tokens_gb']} GB of tokens (~{o['disk_gb']} GB of "
+                     f"disk), ~{o['tokenize_minutes']} min to tokenize on 16 workers, plus the download.")
     lines.append(f"Proposed: --total-steps {plan.proposed_total_steps} (~{plan.proposed_hours:.1f} h with setup = "
                  f"{usd(plan.cost_usd)} at {usd(plan.price_usd_per_hr)}/h"
                  + (f", {usd(plan.total_usd)} with the other lines" if plan.extras_usd else "") + ")")

@@ -17,9 +17,10 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: a headless host has no display
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from x1_common.fsutil import write_bytes_atomic  # noqa: E402
+from x1_pretrain.config import ModelConfig  # noqa: E402
 
 Series = Sequence[tuple[int, float]]  # (step, value), ascending steps
 
@@ -45,6 +46,50 @@ LAB_EXPECTED = (
     LabPoint(18, 63_000, 32e9, 3.4, 3.42),
     LabPoint(24, 84_000, 43e9, 3.32, 3.35),
 )
+
+
+# The lab's model: its expected curve (LAB_EXPECTED) is drawn only on a run of this model.
+LAB_MODEL_FIELDS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "seq_len", "vocab_size")
+
+
+def is_lab_model(model: dict | None) -> bool:
+    """True when `model` (a resolved config's `model` section) is the lab's 50M model."""
+    lab = ModelConfig()
+    return isinstance(model, dict) and all(model.get(k) == getattr(lab, k) for k in LAB_MODEL_FIELDS)
+
+
+def legend_outside(ax: plt.Axes, handles: list | None = None, labels: list | None = None) -> None:
+    """The legend beside the axes, right of them, never over a curve or a spike's marker (the
+    figure grows to hold it: _save crops to what is drawn)."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def log_ticks(ax: plt.Axes, values: Sequence[float]) -> None:
+    """A log y axis whose labels do not crowd: plain numbers (0.5, not 5x10^-1) at the decades,
+    and at 2 and 5 within them only while the data spans less than two decades."""
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10))
+    ax.yaxis.set_major_formatter(plain)
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) / min(positive) < 100:
+        ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+        ax.yaxis.set_minor_formatter(plain)
+    else:
+        ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def time_unit(hours: float) -> tuple[float, str]:
+    """(factor from hours, unit) for an axis spanning `hours`: seconds under 2 minutes, minutes
+    under 2 hours, hours beyond; a 2-minute demo is not drawn in hundredths of an hour."""
+    if hours < 2 / 60:
+        return 3600.0, "seconds"
+    if hours < 2:
+        return 60.0, "minutes"
+    return 1.0, "hours"
 
 
 def _save(fig: plt.Figure, path: str | os.PathLike[str]) -> None:
@@ -74,9 +119,10 @@ def loss_curve(
     injection: tuple[int, int] | None = None,
     spikes: Series = (),
     forecast: Sequence[dict[str, float]] = (),
+    lab_expected: bool = True,
 ) -> None:
-    """Train and val loss vs step, the lab's expected points where the steps overlap, and the
-    definition-of-done band shaded."""
+    """Train and val loss vs step, the lab's expected points where the steps overlap (only on a
+    run of the lab's model: `lab_expected`), and the definition-of-done band shaded."""
     fig, ax = plt.subplots(figsize=(9, 5))
     if train:
         ax.plot(*_xy(train), color="tab:blue", lw=1.2, label="train loss")
@@ -85,7 +131,7 @@ def loss_curve(
     if val:
         ax.plot(*_xy(val), "o-", color="tab:green", ms=4, lw=1.2, label="val loss")
     last_step = max([s for s, _ in train] + [s for s, _ in val] + [0])
-    lab = [p for p in LAB_EXPECTED if p.step <= last_step]
+    lab = [p for p in LAB_EXPECTED if p.step <= last_step] if lab_expected else []
     if lab:
         # The lab's table is for the 50M run: on a short or tiny run only its first rows overlap.
         ax.plot([p.step for p in lab], [p.train_loss for p in lab], "x", color="black", ms=8, mew=2,
@@ -118,7 +164,7 @@ def loss_curve(
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     _save(fig, path)
 
 
@@ -141,14 +187,10 @@ def gradnorm_curve(
     if grad_norm or spikes:
         top.plot(*_xy(sorted([*grad_norm, *spikes])), color="tab:red", lw=1)
         if all(v > 0 for _, v in [*grad_norm, *spikes]):
-            top.set_yscale("log")  # a spike can be 100x the usual norm
-            plain = FuncFormatter(lambda v, _: f"{v:g}")
-            top.yaxis.set_major_formatter(plain)
-            top.yaxis.set_minor_formatter(plain)
+            log_ticks(top, [v for _, v in [*grad_norm, *spikes]])  # a spike can be 100x the usual norm
     if clip is not None:
         top.axhline(clip, color="black", ls="--", lw=1, label=f"clip threshold {clip:g}")
-    if clip is not None or spikes:
-        top.legend(fontsize=8)
+    legend_outside(top)
     _shade_window(top, injection, None)
     top.set_ylabel("grad norm (before clip)")
     top.grid(alpha=0.3)
@@ -183,27 +225,37 @@ def throughput_curve(
     mfu: Sequence[Sequence[tuple[float, float]]] = (),
     title: str,
 ) -> None:
-    """Tokens/s against wall-clock hours since the run began, one line per trainer process: a
-    restart is a gap, shaded and labelled with its downtime, never a line drawn through it."""
+    """Tokens/s against wall-clock time since the run began (`segments`, `gaps` and `mfu` in hours;
+    drawn in the unit that fits the run's length), one line per trainer process: a restart is a gap,
+    shaded and labelled with its downtime, never a line drawn through it."""
+    span = max([h for seg in [*segments, *mfu] for h, _ in seg] + [h1 for _, h1, _ in gaps] + [0.0])
+    factor, unit = time_unit(span)
+
+    def scaled(segs: Sequence[Sequence[tuple[float, float]]]) -> list[list[tuple[float, float]]]:
+        return [[(h * factor, v) for h, v in seg] for seg in segs]
+
     fig, ax = plt.subplots(figsize=(9, 4.5))
     if any(segments):
-        ax.plot(*_joined(segments), color="tab:blue", lw=1, marker="." if max(map(len, segments)) < 30 else None,
-                label="tokens/s")
+        ax.plot(*_joined(scaled(segments)), color="tab:blue", lw=1,
+                marker="." if max(map(len, segments)) < 30 else None, label="tokens/s")
     for h0, h1, label in gaps:
-        ax.axvspan(h0, h1, color="tab:red", alpha=0.15, lw=0, label=label)
-    ax.set_xlabel("wall-clock hours since the run began")
+        ax.axvspan(h0 * factor, h1 * factor, color="tab:red", alpha=0.15, lw=0, label=label)
+    ax.set_xlabel(f"wall-clock {unit} since the run began")
     ax.set_ylabel("tokens/s")
     ax.grid(alpha=0.3)
     ax.set_title(title)
     handles, labels = ax.get_legend_handles_labels()
     if any(v > 0 for seg in mfu for _, v in seg):  # on CPU the MFU is 0: no second axis for a flat line
         right = ax.twinx()
-        right.plot(*_joined(mfu), color="tab:gray", lw=0.8, alpha=0.7, label="MFU")
+        right.plot(*_joined(scaled(mfu)), color="tab:gray", lw=0.8, alpha=0.7, label="MFU")
         right.set_ylabel("MFU")
         h2, l2 = right.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    if handles:
-        ax.legend(handles, labels, fontsize=8)
+        # beyond the MFU axis's labels
+        if handles:
+            ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.12, 1.0), borderaxespad=0.0)
+    else:
+        legend_outside(ax, handles, labels)
     _save(fig, path)
 
 
@@ -246,7 +298,7 @@ def spike_zoom(
     top.set_ylabel("loss (nats/token)")
     top.set_title(title)
     top.grid(alpha=0.3)
-    top.legend(fontsize=8)
+    legend_outside(top)
     if inside(grad_norm):
         bottom.plot(*_xy(inside(grad_norm)), "o-", color="tab:red", ms=3, lw=1, label="grad norm (before clip)")
     clipped_set = set(clipped_steps)
@@ -260,5 +312,5 @@ def spike_zoom(
     bottom.set_xlabel("step")
     bottom.set_xlim(lo - 0.5, hi + 0.5)
     bottom.grid(alpha=0.3)
-    bottom.legend(fontsize=8)
+    legend_outside(bottom)
     _save(fig, path)

@@ -27,7 +27,8 @@ the SSH session of a foreground `up` dropped) stops nothing: the runner goes on,
 stack.log only, and the run goes on training. `up` again, after a
 `down`, a reboot or a pod resume, continues the run from its latest checkpoint; a final decision
 of the watchdog (finished, budget stop, divergence, given up, start-up failure) is honoured: it
-does not relaunch.
+does not relaunch, except a bad config or a start-up failure once what the trainer was refused
+for has changed (a fixed .env, re-prepared data), and any decision with `up --clear-decision`.
 
 One stack per workspace: `up` takes a lease on the workspace (x1_pretrain.train.lease) and a second `up`
 is refused, exit 2, naming the first, which it leaves alone. Logs: WS/logs/<service>.log, the
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from x1_common.contracts import ExitCode
+from x1_common.envfile import value_problems
 from x1_common.fsutil import WriteHealth, write_json_atomic
 from x1_common.logs import RedactSecrets
 from x1_pretrain.stack import services as S
@@ -66,7 +68,7 @@ from x1_pretrain.stack.process import (
     signals_ignored,
     wait_until,
 )
-from x1_pretrain.stack.status import cmd_status, collect_status, latest_checkpoint, render_status
+from x1_pretrain.stack.status import cmd_status, collect_status, held_back_because, latest_checkpoint, render_status
 from x1_pretrain.stack.workspace import (
     PORT_VARS,
     PROMETHEUS_YML,
@@ -96,26 +98,13 @@ log = logging.getLogger("x1.stack")
 def check_settings(s: S.Settings, ws: Workspace) -> None:
     """Exit-2 problems of the .env, each naming its variable; compose would only find them when a
     service fails to start."""
-    problems = []
-
-    def number(var: str, kind: type, low: float | None = None, optional: bool = False) -> None:
-        text = s[var]
-        if optional and text == "":
-            return
-        try:
-            value = kind(text)
-        except ValueError:
-            problems.append(f"{var}={text!r} is not {'a whole number' if kind is int else 'a number'}")
-            return
-        if low is not None and not value >= low:
-            problems.append(f"{var}={text!r} must be at least {low:g}")
-
-    if s["PROVIDER"] not in ("lambda", "runpod", "static"):
-        problems.append(f"PROVIDER={s['PROVIDER']!r} must be lambda, runpod or static")
-    elif s["PROVIDER"] == "static":
+    # Each value's type, as every reader of .env checks it (x1_common.envfile); then what the
+    # values mean together.
+    problems = value_problems(s.values)
+    if s["PROVIDER"] == "static":
         if not s["RATE_USD_PER_HR"]:
             problems.append("RATE_USD_PER_HR: the static provider needs the hourly rate")
-    else:
+    elif s["PROVIDER"] in ("lambda", "runpod"):
         if not s["INSTANCE_ID"]:
             problems.append(f"INSTANCE_ID: the {s['PROVIDER']} provider needs the instance (pod) id")
         key = "LAMBDA_API_KEY" if s["PROVIDER"] == "lambda" else "RUNPOD_API_KEY"
@@ -123,35 +112,17 @@ def check_settings(s: S.Settings, ws: Workspace) -> None:
             problems.append(f"{key}: the {s['PROVIDER']} provider needs its API key (in .env or the environment)")
         if s["RATE_USD_PER_HR"]:
             problems.append(f"RATE_USD_PER_HR is for the static provider only; {s['PROVIDER']} reads its price")
-    for var in ("TOTAL_STEPS", "CKPT_EVERY", "EVAL_EVERY", "LOG_EVERY", "NPROC", "NNODES", "RDZV_JOIN_TIMEOUT",
-                "MLFLOW_WORKERS"):
-        number(var, int, 1)
-    for var in ("MAX_RESTARTS", "DATA_MAX_SHARDS"):
-        number(var, int, 0)
-    for var in ("BUDGET_CAP_USD", "BUDGET_ALERT_USD", "MAX_PRICE_USD_PER_HR", "BUDGET_POLL_SECONDS",
-                "STALL_SECONDS", "STARTUP_GRACE_SECONDS", "RESTART_WINDOW_SECONDS"):
-        number(var, float, 0)
-    for var in ("RATE_USD_PER_HR", "PLANNED_HOURS"):
-        number(var, float, 0, optional=True)
-    for var in PORT_VARS.values():
-        text = s[var]
-        if not (text.isdigit() and 1 <= int(text) <= 65535):
-            problems.append(f"{var}={text!r} must be a port number in 1..65535")
     with contextlib.suppress(ValueError):
         if float(s["BUDGET_ALERT_USD"]) > float(s["BUDGET_CAP_USD"]):
             problems.append(f"BUDGET_ALERT_USD={s['BUDGET_ALERT_USD']} is above BUDGET_CAP_USD={s['BUDGET_CAP_USD']}")
     if s["NNODES"] != "1" and not (s["RDZV_ENDPOINT"] and s["RDZV_ID"]):
         problems.append(f"NNODES={s['NNODES']} needs RDZV_ENDPOINT (HOST:PORT of one host) and RDZV_ID (the same on every host)")
-    if s["TERMINATE_ON_FINISH"] not in ("0", "1"):
-        problems.append(f"TERMINATE_ON_FINISH={s['TERMINATE_ON_FINISH']!r} must be 0 or 1")
     if s["TERMINATE_ON_FINISH"] == "1" and s["PROVIDER"] == "static":
         problems.append("TERMINATE_ON_FINISH=1 needs a provider with an API (lambda or runpod), not static")
     if s["TERMINATE_ON_FINISH"] == "1" and not s["RESULTS_DIR"]:
         problems.append("TERMINATE_ON_FINISH=1 needs RESULTS_DIR: a folder on storage that outlives the instance "
                         "(a Lambda persistent filesystem, a RunPod network volume) where the run folder is copied "
                         "before the terminate; the workspace dies with the instance")
-    if s["PROVIDER_API_URL"] and not s["PROVIDER_API_URL"].startswith(("http://", "https://")):
-        problems.append(f"PROVIDER_API_URL={s['PROVIDER_API_URL']!r} must start with http:// or https://")
     config = Path(s["X1_CONFIG"])
     if not (config if config.is_absolute() else REPO / config).is_file():
         problems.append(f"X1_CONFIG={s['X1_CONFIG']!r}: no such file (relative paths are from {REPO})")
@@ -196,12 +167,17 @@ def prometheus_config(ws: Workspace, settings: S.Settings) -> Path:
 class Runner:
     """`up` in the foreground: starts the services, keeps them up, stops them in order."""
 
-    def __init__(self, settings: S.Settings, ws: Workspace, env_file: Path | None, use_prometheus: bool) -> None:
+    def __init__(self, settings: S.Settings, ws: Workspace, env_file: Path | None, use_prometheus: bool,
+                 clear_decision: bool = False) -> None:
         self.settings = settings
         self.ws = ws
         self.env_file = env_file
         self.prometheus = shutil.which("prometheus") if use_prometheus else None
         self.specs = S.services(settings, S.process_mode(ws.root, sys.executable, REPO, self.prometheus or "prometheus"))
+        self.clear_decision = clear_decision
+        if clear_decision:  # this `up` only: the watchdog sets the recorded final decision aside
+            argv = self.specs["watchdog"].argv
+            argv.insert(argv.index("--"), "--clear-final")
         self.base_env = base_environment(str(Path(sys.executable).parent))
         self.running: dict[str, Service] = {}
         self.restarts: dict[str, int] = {}  # for status
@@ -297,11 +273,13 @@ class Runner:
             log.info("%s holds a budget decision (%s, exit %s at %s) for %s total steps: set aside for this re-plan "
                      "to %s", self.ws.state_file, final.get("reason"), final.get("exit_code"), final.get("time"),
                      final.get("total_steps"), self.settings["TOTAL_STEPS"])
+        elif final and self.clear_decision:
+            log.warning("%s holds a final decision (%s, exit %s at %s): set aside for this `up --clear-decision`; the "
+                        "trainer resumes from its latest checkpoint", self.ws.state_file, final.get("reason"),
+                        final.get("exit_code"), final.get("time"))
         elif final:
-            again = (" (after a budget stop: `up --total-steps N` with the N it says fits continues the run)"
-                     if final.get("exit_code") in (76, 78) else " (a new run needs a new workspace)")
-            log.warning("%s holds a final decision (%s, exit %s at %s): the watchdog will not launch the trainer%s",
-                        self.ws.state_file, final.get("reason"), final.get("exit_code"), final.get("time"), again)
+            log.warning("%s holds a final decision (%s, exit %s at %s): %s", self.ws.state_file, final.get("reason"),
+                        final.get("exit_code"), final.get("time"), held_back_because(final))
         if self.prometheus:
             prometheus_config(self.ws, self.settings)
             self.start_service("prometheus")
@@ -344,11 +322,11 @@ class Runner:
         final_seen = (read_json(self.ws.state_file) or {}).get("final")
         while not self.stop_requested.wait(1.0):
             final = (read_json(self.ws.state_file) or {}).get("final")
-            if final and not final_seen:  # said once, here and in stack.log: the watchdog now holds
-                log.warning("the watchdog's final decision: %s (exit %s)%s; the trainer is not launched again "
-                            "(`python -m x1_pretrain.stack status --workspace %s`)", final.get("reason"),
-                            final.get("exit_code"), f": {final['error']}" if final.get("error") else "", self.ws.root)
-            final_seen = final_seen or final
+            if final and final != final_seen:  # said once, here and in stack.log: the watchdog now holds
+                log.warning("the watchdog's final decision: %s (exit %s)%s; %s (`python -m x1_pretrain.stack status "
+                            "--workspace %s`)", final.get("reason"), final.get("exit_code"),
+                            f": {final['error']}" if final.get("error") else "", held_back_because(final), self.ws.root)
+            final_seen = final
             for name, svc in list(self.running.items()):
                 if svc.alive():
                     continue
@@ -487,9 +465,18 @@ def check_writable(ws: Workspace) -> None:
                              "checkpoints, budget.json and MLflow's store there: give a writable --workspace") from None
 
 
+def load_settings(env_file: Path | None) -> S.Settings:
+    """The .env and the environment (SettingsError naming every key X1 does not read); a key X1 no
+    longer reads is said on stderr and in stack.log, and does not stop anything."""
+    settings = S.Settings.load(env_file)
+    for warning in settings.warnings:
+        print(f"warning: {env_file}: {warning}", file=sys.stderr, flush=True)
+    return settings
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     ws: Workspace = args.workspace
-    settings = S.Settings.load(args.env_file)
+    settings = load_settings(args.env_file)
     if args.total_steps is not None:  # a re-plan: over the .env's TOTAL_STEPS, for the trainer and the watchdog
         settings = S.Settings({**settings.values, "TOTAL_STEPS": str(args.total_steps)})
     check_settings(settings, ws)
@@ -497,7 +484,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_writable(ws)
     if args.detach:
         return detach(args, ws)
-    runner = Runner(settings, ws, args.env_file.resolve() if args.env_file else None, not args.no_prometheus)
+    runner = Runner(settings, ws, args.env_file.resolve() if args.env_file else None, not args.no_prometheus,
+                    clear_decision=args.clear_decision)
 
     def lost(problem: str) -> None:
         log.error("the workspace lease was lost (%s): stopping", problem)
@@ -560,6 +548,8 @@ def detach(args: argparse.Namespace, ws: Workspace) -> int:
         argv.append("--no-prometheus")
     if args.total_steps is not None:
         argv += ["--total-steps", str(args.total_steps)]
+    if args.clear_decision:
+        argv.append("--clear-decision")
     with open(ws.log("stack"), "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=REPO,
                                 env=dict(os.environ, **{DETACHED_ENV: "1"}), start_new_session=True)
@@ -622,7 +612,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     """`docker compose run --rm prepare`: download and tokenize into WS/data, in the foreground."""
     ws: Workspace = args.workspace
-    settings = S.Settings.load(args.env_file)
+    settings = load_settings(args.env_file)
     spec = S.services(settings, S.process_mode(ws.root, sys.executable, REPO))["prepare"]
     ws.data.mkdir(parents=True, exist_ok=True)
     env = {**base_environment(str(Path(sys.executable).parent)), **spec.image_env, **spec.env}
@@ -651,9 +641,13 @@ commands:
             Again after a `down`, a reboot or a pod resume, it continues the run from its latest
             checkpoint; a final decision of the watchdog (finished, budget stop, divergence,
             given up, start-up failure: WORKSPACE/logs/watchdog-state.json) is honoured, the
-            trainer not relaunched.
+            trainer not relaunched, except a bad config or a start-up failure once what the
+            trainer was refused for has changed (.env's trainer settings, the data's
+            meta.json): a fixed mistake starts it again, from its checkpoint.
+            --clear-decision sets any final decision aside by hand.
   status    each service's health, the trainer's step and tokens/s, spend vs cap, the watchdog's
-            last decision (--json for scripts); exit 0 when running and healthy, else 1
+            last decision (--json for scripts); exit 0 when running and healthy, else 1 (also
+            while a final decision other than a finished run holds the trainer back, saying why)
   down      stop the stack started by `up` in WORKSPACE (also one whose runner died)
 
 Settings come from --env-file, the same .env as compose (cp .env.example .env), with the shell's
@@ -688,6 +682,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the run's total steps, over the .env's TOTAL_STEPS: after a budget stop, the N it says "
                          "fits continues the run from its checkpoint (the stop's decision is set aside for this "
                          "re-plan only)")
+    sp.add_argument("--clear-decision", action="store_true",
+                    help="set the watchdog's final decision aside (kept in watchdog-state.json under `cleared`) and "
+                         "launch the trainer again: it resumes from its latest checkpoint, the same run. Needed only "
+                         "where nothing the trainer was refused for has changed: a bad config or a start-up failure is "
+                         "set aside by a plain `up` once .env's trainer settings or the data's meta.json have changed")
     sp = sub.add_parser("status", help="health, step, tokens/s, spend, the watchdog's last decision")
     common(sp, env=False)
     sp.add_argument("--json", action="store_true", help="the same as JSON")

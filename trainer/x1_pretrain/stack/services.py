@@ -27,72 +27,19 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# compose.yaml's defaults (`${VAR:-default}`), for every variable it reads. Empty means unset,
-# as for compose's `:-`. Secrets default to empty and stay out of every command line.
-DEFAULTS: dict[str, str] = {
-    # the instance and its bill
-    "PROVIDER": "lambda",
-    "INSTANCE_ID": "",
-    "INSTANCE_IDS": "",
-    "LAMBDA_API_KEY": "",
-    "RUNPOD_API_KEY": "",
-    "PROVIDER_API_URL": "",
-    "RATE_USD_PER_HR": "",
-    "PLANNED_HOURS": "",
-    "BUDGET_POLL_SECONDS": "300",
-    # the budget contract
-    "BUDGET_CAP_USD": "35",
-    "BUDGET_ALERT_USD": "30",
-    "MAX_PRICE_USD_PER_HR": "1.40",
-    # the trainer
-    "X1_CONFIG": "configs/x1-50m-a100.yaml",
-    "TOTAL_STEPS": "84000",
-    "CKPT_EVERY": "1800",
-    "EVAL_EVERY": "1800",
-    "LOG_EVERY": "10",
-    "NPROC": "1",
-    "NNODES": "1",
-    "RDZV_ENDPOINT": "",
-    "RDZV_ID": "",
-    "RDZV_JOIN_TIMEOUT": "600",
-    "TRAIN_EXTRA_ARGS": "",
-    "TRAINER_CONTAINER_NAME": "x1-trainer",
-    # the watchdog
-    "STALL_SECONDS": "600",
-    "STARTUP_GRACE_SECONDS": "600",
-    "MAX_RESTARTS": "10",
-    "RESTART_WINDOW_SECONDS": "3600",
-    "TERMINATE_ON_FINISH": "0",
-    "RESULTS_DIR": "",
-    # alerts
-    "SLACK_WEBHOOK_URL": "",
-    "SMTP_HOST": "",
-    "SMTP_PORT": "",
-    "SMTP_USER": "",
-    "SMTP_PASSWORD": "",
-    "SMTP_FROM": "",
-    "SMTP_TO": "",
-    "SMTP_STARTTLS": "",
-    # data
-    "HF_TOKEN": "",
-    "DATA_SOURCE": "fineweb-edu",
-    "DATA_MAX_SHARDS": "0",
-    "TOKENIZE_WORKERS": "16",
-    "VAL_FRACTION": "0.001",
-    # MLflow
-    "MLFLOW_WORKERS": "2",
-    # published ports (process mode: the ports the services listen on)
-    "MLFLOW_HOST_PORT": "5000",
-    "SIDECAR_HOST_PORT": "9792",
-    "TRAINER_METRICS_HOST_PORT": "9791",
-    "WATCHDOG_METRICS_HOST_PORT": "9793",
-    "PROMETHEUS_HOST_PORT": "9090",
-}
+from x1_common.envfile import KEYS, EnvFileError
+from x1_common.envfile import load_env_file as load_env_file  # re-exported: the launcher reads .env through here
+from x1_common.envfile import read_env_file as read_env_file
+
+# compose.yaml's defaults (`${VAR:-default}`), for every variable the services read: the keys of
+# x1_common.envfile (the one list of .env's keys, their defaults and types) that are not compose's
+# own (the image builds, Grafana, the Docker group). Empty means unset, as for compose's `:-`.
+# Secrets default to empty and stay out of every command line.
+DEFAULTS: dict[str, str] = {k.name: k.default for k in KEYS.values() if k.stack}
 
 ALERT_VARS = ("SLACK_WEBHOOK_URL", "SMTP_HOST", "SMTP_PORT", "SMTP_USER", "SMTP_PASSWORD", "SMTP_FROM", "SMTP_TO",
               "SMTP_STARTTLS")
@@ -111,60 +58,8 @@ PORTS: dict[str, tuple[int, str]] = {
 START_ORDER = ("prometheus", "mlflow-server", "budget-sidecar", "watchdog")
 
 
-class SettingsError(ValueError):
-    """A .env file that cannot be read; the message names the file and the line."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Settings: the .env file, as compose reads it
-
-
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SHOWN_KEY = re.compile(r"([A-Z_][A-Z0-9_]*)[:\s]")
-
-
-def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
-    """KEY=VALUE lines as compose reads them: comments, blank lines, `export `, quotes.
-
-    Interpolation inside .env (`A=${B}`) is refused rather than read differently from compose.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SettingsError(f"{path}: no such file (cp .env.example {path})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SettingsError(f"{path}: cannot read it ({e})") from None
-    values: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        line = line.removeprefix("export ").lstrip()
-        key, sep, value = line.partition("=")
-        key = key.strip()
-        if not sep or not _KEY.fullmatch(key):
-            # Named by its key, never quoted: a malformed line is often a secret typed wrong.
-            # Only an upper-case name followed by ':' or a space reads as the key: the start of a
-            # token pasted on its own line (a lone word, `sk-...`) is the secret and is not named.
-            start = _SHOWN_KEY.match(line)
-            named = f"the line starting with {start.group(1)!r}" if start else "a line that starts with no KEY"
-            raise SettingsError(f"{path}:{number}: not KEY=VALUE: {named} (its value is not shown)")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            quote, value = value[0], value[1:-1]
-            if quote == '"':
-                value = value.replace("\\n", "\n").replace('\\"', '"').replace("\\\\", "\\")
-        else:
-            value = re.split(r"\s+#", value, maxsplit=1)[0].rstrip()
-            if value[:1] in ("'", '"'):
-                raise SettingsError(f"{path}:{number}: {key}: unbalanced quote")
-            if "${" in value or re.search(r"\$[A-Za-z_]", value):
-                raise SettingsError(f"{path}:{number}: {key}: variable references in .env are not supported here; "
-                                    "write the value out")
-        values[key] = value
-    return values
-
+# A .env file that cannot be used (x1_common.envfile): the message names the file and the line or key.
+SettingsError = EnvFileError
 
 @dataclass(frozen=True)
 class Settings:
@@ -172,15 +67,17 @@ class Settings:
     precedence), then compose's defaults for what is empty or unset."""
 
     values: Mapping[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()  # about the .env file: keys X1 no longer reads
 
     @classmethod
     def load(cls, env_file: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None) -> Settings:
-        values = read_env_file(env_file) if env_file is not None else {}
+        """SettingsError naming every key of `env_file` X1 does not read (and the nearest it does)."""
+        values, warnings = load_env_file(env_file) if env_file is not None else ({}, [])
         environ = os.environ if environ is None else environ
         for key in DEFAULTS:
             if key in environ:
                 values[key] = environ[key]
-        return cls(values)
+        return cls(values, tuple(warnings))
 
     def __getitem__(self, key: str) -> str:
         if key not in DEFAULTS:

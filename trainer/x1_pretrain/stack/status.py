@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from x1_common import restarts
-from x1_common.contracts import Heartbeat, boot_id
+from x1_common.contracts import FIXABLE_EXIT_CODES, Heartbeat, boot_id
+from x1_common.projection import at_finish
 from x1_pretrain.stack import services as S
 from x1_pretrain.stack.process import http_status
 from x1_pretrain.stack.workspace import Workspace, read_events, read_json, trainer_pid
@@ -32,8 +33,8 @@ log = logging.getLogger("x1.stack")
 
 
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+) loss (\S+) lr \S+ grad \S+ tok/s (\d+)")
-# The trainer's budget line: the billed hours its steps left need, and the projection it judges.
-BUDGET_LINE = re.compile(r"budget: [^\n]*?= ([\d.e+]+) h billed[^\n]*?projected \$([\d.]+) of \$([\d.]+)")
+# The trainer's budget line: the billed hours its steps left need, and its own projection.
+BUDGET_LINE = re.compile(r"budget: [^\n]*?= ([\d.e+]+) h billed, \+\d+% -> own \$([\d.]+);")
 # The trainer's forecast line at each eval (x1_pretrain.forecast): the final val loss and its interval.
 FORECAST_LINE = re.compile(r"forecast: (final val loss [\d.]+ \[[\d.]+, [\d.]+\] at step \d+, made at step \d+"
                            r"|not enough points yet at step \d+/\d+)")
@@ -67,14 +68,18 @@ def at_a_glance(trainer: dict[str, Any], budget: dict[str, Any], judged: re.Matc
     scale = budget.get("time_scale") if isinstance(budget.get("time_scale"), (int, float)) else 1.0
     eta_h = float(judged[1]) / max(float(scale), 1.0) if judged else None  # billed hours -> wall hours
     final = state.get("final")
+    # The one projection (x1_common.projection): the spend once a final decision holds, else the
+    # trainer's own, else the sidecar's.
+    spent = budget.get("spent_usd") if isinstance(budget.get("spent_usd"), (int, float)) else None
+    sidecar = budget.get("projected_total_usd") if isinstance(budget.get("projected_total_usd"), (int, float)) else None
+    projection = at_finish(spent, trainer_usd=float(judged[2]) if judged else None, sidecar_usd=sidecar,
+                           ended=bool(final))
     return {
         "percent_done": round(100.0 * step / total, 1) if step is not None and total else None,
         "eta_hours": None if final else eta_h,
         "spent_usd": budget.get("spent_usd"),
-        # once the run has ended its spend is final; the sidecar's figure would still count planned hours
-        "projected_at_finish_usd": (budget.get("spent_usd") if final else float(judged[2]) if judged
-                                    else budget.get("projected_total_usd")),
-        "projection_source": "the trainer's, at its measured pace" if judged else "the sidecar's" if budget else None,
+        "projected_at_finish_usd": projection.usd if projection else None,
+        "projection_source": projection.source if projection else None,
         "restarts": state.get("restarts_total"),
         "last_decision": describe_decision(last_event),
     }
@@ -164,6 +169,21 @@ def run_restarts(ws: Workspace, events: list[dict[str, Any]]) -> list[dict[str, 
     return restarts.restarts(starts, events)
 
 
+def held_back_because(final: dict[str, Any]) -> str:
+    """What a final decision means for the trainer now, and the way on, in one sentence."""
+    code = final.get("exit_code")
+    if code == 0:
+        return "the run is finished; the trainer is not launched again"
+    if code in FIXABLE_EXIT_CODES:
+        return ("the trainer is held back until what it was refused for changes: fix it (.env's trainer settings, "
+                "the data) and `up` again, and it resumes from its latest checkpoint; `up --clear-decision` "
+                "launches it again as it is")
+    if code in (76, 78):
+        return ("the trainer is held back by the budget: `up --total-steps N` with the N the trainer named continues "
+                "the run; `up --clear-decision` launches it again as planned")
+    return "the trainer is held back: `up --clear-decision` launches it again, from its latest checkpoint"
+
+
 def describe_decision(e: dict[str, Any] | None) -> str:
     if not e:
         return "none yet"
@@ -178,6 +198,11 @@ def describe_decision(e: dict[str, Any] | None) -> str:
     if kind == "startup_failure":
         return (f"start-up failure: the trainer exited {e.get('exit_code')} before its first step twice in a row "
                 f"with the same error, not relaunched (watchdog exit {e.get('watchdog_exit_code')}) at {e.get('time')}")
+    if kind == "fixed":
+        return (f"the {e.get('reason')} decision (exit {e.get('exit_code')}) set aside: its inputs changed "
+                f"({'; '.join(e.get('changed') or [])}) at {e.get('time')}")
+    if kind == "cleared":
+        return f"the {e.get('reason')} decision (exit {e.get('exit_code')}) set aside by hand at {e.get('time')}"
     if kind == "terminate":
         done = "terminated" if e.get("ok") else f"terminate FAILED ({e.get('error')})"
         return f"{done} the {e.get('provider')} instance {e.get('instance_id')} after {e.get('reason')} at {e.get('time')}"
@@ -230,8 +255,10 @@ def render_status(st: dict[str, Any]) -> str:
     b = st["budget"]
     if b.get("spent_usd") is not None:
         stale = ", STALE" if b.get("stale") else ""
-        lines.append(f"  spend: ${b['spent_usd']:.2f} of the ${b['cap_usd']:g} cap (projected ${b['projected_total_usd']:.2f}, "
-                     f"${b['rate_usd_per_hr']:g}/h, {b['provider']}, reading {b['last_update_utc']}{stale})")
+        # The projection is the at-a-glance one: budget.json's own (the sidecar's guess from the
+        # planned hours) is one of its inputs, not a second figure to show.
+        lines.append(f"  spend: ${b['spent_usd']:.2f} of the ${b['cap_usd']:g} cap (${b['rate_usd_per_hr']:g}/h, "
+                     f"{b['provider']}, reading {b['last_update_utc']}{stale})")
     else:
         lines.append("  spend: no budget reading yet")
     lines += [f"  {restarts.describe(r)}" for r in st.get("restarts", [])]
@@ -240,16 +267,19 @@ def render_status(st: dict[str, Any]) -> str:
     if w["final"]:
         f = w["final"]
         lines.append(f"  final decision: {f.get('reason')} (exit {f.get('exit_code')} at {f.get('time')}): "
-                     "the trainer is not launched again")
+                     f"{held_back_because(f)}")
         if f.get("error"):
             lines.append(f"  the trainer's error: {f['error']}")
     return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """0 while the stack runs, every service healthy, and no final decision holds the trainer back
+    (a finished run is no hold); else 1: a stack up but idle on a held-back trainer bills for nothing."""
     st = collect_status(args.workspace)
     print(json.dumps(st, indent=2) if args.json else render_status(st))
     if not st["running"]:
         return 1
     healthy = all(s["running"] and s["health"] in (None, "healthy") for s in st["services"].values())
-    return 0 if healthy else 1
+    final = st["watchdog"]["final"]
+    return 0 if healthy and (final is None or final.get("exit_code") == 0) else 1

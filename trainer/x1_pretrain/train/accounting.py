@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from x1_pretrain.config import ModelConfig
+from x1_pretrain.config import ModelConfig, TrainConfig
 
 # Datasheet dense bf16 peaks, TFLOP/s (docs/DESIGN.md §4). PCIe parts run at lower clocks and power.
 GPU_PEAK_TFLOPS = {
@@ -71,6 +71,19 @@ def expected_tokens_per_sec(gpu: str, model: ModelConfig) -> Throughput | None:
         return row
     return Throughput(round(row.tokens_per_sec * ratio, -2),
                       f"{row.source}, scaled by FLOPs/token to this model (same MFU assumed: an estimate)")
+
+
+def throughput_floor(train: TrainConfig, expected_tokens_per_sec: float | None) -> tuple[float, str]:
+    """The hour-1 throughput floor in tokens/s ("stop and diagnose") and where it comes from: the
+    config's min_tokens_per_sec, else floor_fraction x the throughput expected (plan's table for the
+    GPU found, or --expected-tokens-per-sec). The trainer warns under it; plan prints it."""
+    if train.min_tokens_per_sec is not None:
+        return (train.min_tokens_per_sec,
+                "train.min_tokens_per_sec" if train.min_tokens_per_sec else "off: train.min_tokens_per_sec 0")
+    if expected_tokens_per_sec is None:
+        return 0.0, "off: no throughput expected on this machine (--expected-tokens-per-sec sets one)"
+    return (train.floor_fraction * expected_tokens_per_sec,
+            f"{train.floor_fraction:g} x the expected {fmt_count(expected_tokens_per_sec)} tokens/s")
 
 
 def steps_that_fit(budget_left_usd: float, rate_usd_per_hr: float, seconds_per_step: float, margin: float) -> int:

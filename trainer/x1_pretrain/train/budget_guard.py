@@ -60,8 +60,9 @@ from x1_common.contracts import (
     parse_json_strict,
     read_json_file,
 )
-from x1_pretrain.config import BudgetConfig, ConfigError
+from x1_pretrain.config import BudgetConfig, ConfigError, RunConfig
 from x1_pretrain.train.accounting import fmt_count, steps_that_fit, usd
+from x1_pretrain.train.schedule import probe_plan
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -159,6 +160,57 @@ def _count_due(after: int, upto: int, every: int) -> int:
     if after >= upto:
         return 0
     return upto // every - after // every + (1 if upto % every else 0)
+
+
+def total_steps_that_fit(total_steps: int, need: Need, cap_usd: float, spent_usd: float, rate_usd_per_hr: float,
+                         margin: float, time_scale: float = 1.0) -> int:
+    """The total steps whose projection (spent + rate x billed hours x (1 + margin)) stays under the
+    cap, at `need`'s pace: the figure a refusal or a budget stop names, and `plan` proposes."""
+    done = total_steps - need.steps_left
+    # Per step left, its share of the evals, checkpoints and restarts too: they scale with the steps.
+    billed_s_per_step = need.seconds / need.steps_left * time_scale
+    fits = done + steps_that_fit(cap_usd - spent_usd, rate_usd_per_hr, billed_s_per_step, margin)
+    if fits >= 1000:  # a round figure leaves a little slack for the minutes a relaunch bills
+        fits = fits // 100 * 100
+    return fits
+
+
+@dataclass(frozen=True)
+class LaunchProjection:
+    """What the trainer's launch check judges for `total_steps` before its first step (rule 2 at
+    step 0, at plan's throughput): the one arithmetic behind plan's table, the trainer's refusal
+    and the figures the docs quote."""
+
+    total_steps: int
+    need: Need
+    rate_usd_per_hr: float
+    spent_usd: float
+    margin: float
+    fits: int  # the total steps that fit the cap
+
+    @property
+    def hours(self) -> float:
+        """Billed hours the steps need, evals included, the margin not."""
+        return self.need.seconds / 3600.0
+
+    @property
+    def projected_usd(self) -> float:
+        return self.spent_usd + self.rate_usd_per_hr * self.hours * (1.0 + self.margin)
+
+
+def launch_projection(cfg: RunConfig, total_steps: int, tokens_per_sec: float, rate_usd_per_hr: float,
+                      cap_usd: float, spent_usd: float = 0.0) -> LaunchProjection:
+    """The launch check's projection of a fresh run of `total_steps` (see LaunchProjection)."""
+    probes = [(fork, k) for _, fork, k in probe_plan(cfg.train.cooldown_probes, cfg.train.cooldown_probe_share,
+                                                     total_steps)]
+    pace = Pace(total_steps=total_steps, tokens_per_step=cfg.train.tokens_per_step, eval_every=cfg.train.eval_every,
+                ckpt_every=cfg.checkpoint.every, eval_tokens=cfg.train.eval_windows * cfg.model.seq_len,
+                expected_tokens_per_sec=tokens_per_sec, expected_source="plan", probes=probes)
+    need = pace.need(0)
+    assert need is not None  # a pace with an expected throughput always has a need
+    return LaunchProjection(total_steps, need, rate_usd_per_hr, spent_usd, cfg.budget.margin,
+                            total_steps_that_fit(total_steps, need, cap_usd, spent_usd, rate_usd_per_hr,
+                                                 cfg.budget.margin))
 
 
 class Pace:
@@ -464,14 +516,8 @@ class BudgetGuard:
         """The total steps that fit the cap at the pace measured (None where there is no pace)."""
         if p.need is None or p.rate_usd_per_hr <= 0 or self.pace is None or p.need.steps_left <= 0:
             return None
-        done = self.pace.total_steps - p.need.steps_left
-        # Per step left, its share of the evals, checkpoints and restarts too: they scale with the steps.
-        billed_s_per_step = p.need.seconds / p.need.steps_left * self._time_scale
-        left = steps_that_fit(self.cap - p.spent_usd, p.rate_usd_per_hr, billed_s_per_step, self.cfg.margin)
-        fits = done + left
-        if fits >= 1000:  # a round figure leaves a little slack for the minutes a relaunch bills
-            fits = fits // 100 * 100
-        return fits
+        return total_steps_that_fit(self.pace.total_steps, p.need, self.cap, p.spent_usd, p.rate_usd_per_hr,
+                                    self.cfg.margin, self._time_scale)
 
     def _steps_that_fit(self, p: Projection, fits: int | None, resume: bool) -> str:
         """'; --total-steps N fits (of M): continue with ...' for a refusal or a stop, naming the

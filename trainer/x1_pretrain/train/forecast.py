@@ -42,6 +42,7 @@ import numpy as np
 
 from x1_common.contracts import MLFLOW_FORECAST_METRICS, ExitCode
 from x1_common.fsutil import write_json_atomic
+from x1_common.projection import at_finish
 from x1_pretrain.train.forecast_rule import (
     DEFAULT_BAND,
     LAW,
@@ -663,7 +664,10 @@ class ForecastWatch:
         if crossed:
             spent = to_finish = None
             if projection is not None:
-                spent, to_finish = projection.spent_usd, max(projection.judged_usd - projection.spent_usd, 0.0)
+                # The one projection at the finish (x1_common.projection), as `status` shows it.
+                finish = at_finish(projection.spent_usd, trainer_usd=projection.own_usd,
+                                   sidecar_usd=projection.sidecar_usd)
+                spent, to_finish = projection.spent_usd, finish.more_usd if finish else None
             self.last_alert = self.alert_text(f, spent, to_finish)
             then = ("the run stops now (--stop-when-forecast-misses-band)" if self.stop_outside else
                     "the run continues (--stop-when-forecast-misses-band would stop it)")

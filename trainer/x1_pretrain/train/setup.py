@@ -46,9 +46,9 @@ from x1_pretrain.train.accounting import (
     detect_gpu_key,
     expected_tokens_per_sec,
     flops_per_token,
-    fmt_count,
     param_counts,
 )
+from x1_pretrain.train.accounting import throughput_floor as accounting_floor
 from x1_pretrain.train.band import BandError, log_declared
 from x1_pretrain.train.band import declared as declared_band
 from x1_pretrain.train.band import tag as band_tag
@@ -66,13 +66,8 @@ log = logging.getLogger("x1.train")
 
 
 def throughput_floor(cfg: RunConfig, expected: tuple[float, str] | None) -> tuple[float, str]:
-    """The floor in tokens/s and where it comes from: the config's, else a share of the expected."""
-    t = cfg.train
-    if t.min_tokens_per_sec is not None:
-        return t.min_tokens_per_sec, "train.min_tokens_per_sec" if t.min_tokens_per_sec else "off: train.min_tokens_per_sec 0"
-    if expected is None:
-        return 0.0, "off: no throughput expected on this machine (--expected-tokens-per-sec sets one)"
-    return t.floor_fraction * expected[0], f"{t.floor_fraction:g} x the expected {fmt_count(expected[0])} tokens/s"
+    """The floor in tokens/s and where it comes from (accounting.throughput_floor: plan shows the same)."""
+    return accounting_floor(cfg.train, expected[0] if expected else None)
 
 
 def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -> tuple[float, str] | None:
