@@ -177,6 +177,44 @@ def cmd_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_curves(args: argparse.Namespace) -> int:
+    """The targets' curves (their run folders' metrics.csv) as a forecast curves file, for
+    `python -m x1_pretrain.forecast evaluate` (with and without the probes and the ladder)."""
+    import csv
+    import math
+
+    from x1_pretrain.config import load_config
+    from x1_pretrain.train.accounting import flops_per_token, param_counts
+
+    work = Path(args.work)
+    runs = []
+    for name in args.names.split(","):
+        steps, warmup = TARGETS[CONTROLS.get(name, name)]
+        rows = list(csv.DictReader(open(work / "targets" / name / "run" / "metrics.csv")))
+        series: dict[str, dict[int, float]] = {}
+        for r in rows:
+            series.setdefault(r["name"], {})[int(r["step"])] = float(r["value"])
+        last = max(series.get("val_loss", {0: 0}))
+        if last != steps:
+            print(f"{name}: its last eval is at step {last} of {steps}: left out (not a complete run)")
+            continue
+        train = [series.get("loss", {}).get(s, math.nan) for s in range(1, steps + 1)]
+        cfg = load_config(CONFIG, [*COMMON_SETS, f"optim.warmup_steps={warmup}"])
+        counts = param_counts(cfg.model)
+        probes = [{"step": s, "steps": int(series["probe_steps"][s]), "val_loss": v}
+                  for s, v in sorted(series.get("probe_val_loss", {}).items())]
+        val = sorted(series["val_loss"].items())
+        runs.append({"name": name, "steps": steps, "warmup": warmup, "lr": cfg.optim.lr, "min_lr": cfg.optim.min_lr,
+                     "train_loss": train, "val_steps": [s for s, _ in val], "val_loss": [v for _, v in val],
+                     "probes": probes, "tokens_per_step": TOKENS_PER_STEP, "n_params": counts["total"],
+                     "nonembedding_params": counts["non_embedding"], "flops_per_token": flops_per_token(cfg.model)})
+    out = {"made": "bench/ladder_accuracy.py curves", "device": args.device, "model": CONFIG,
+           "tokens_per_step": TOKENS_PER_STEP, "runs": runs}
+    Path(args.out).write_text(json.dumps(out))
+    print(f"{len(runs)} runs written to {args.out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -206,6 +244,12 @@ def main() -> int:
     s = sub.add_parser("table")
     s.add_argument("--work", required=True)
     s.set_defaults(func=cmd_table)
+    s = sub.add_parser("curves")
+    s.add_argument("--work", required=True)
+    s.add_argument("--names", default="T1,T2,T3,T4")
+    s.add_argument("--out", required=True)
+    s.add_argument("--device", default="")
+    s.set_defaults(func=cmd_curves)
     args = p.parse_args()
     return args.func(args)
 

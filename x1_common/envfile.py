@@ -140,6 +140,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("RDZV_JOIN_TIMEOUT", "600", whole(1)),
     Key("X1_SHARED", "", stack=False),
     Key("TRAIN_EXTRA_ARGS", ""),
+    Key("LADDER", "0", zero_or_one),
+    Key("LADDER_SHARE", "0.05", number(0, positive=True)),
     Key("TRAINER_SHM_SIZE", "16gb", pattern(r"\d+(\.\d+)?[bkmgBKMG]?[bB]?", "a size such as 16gb"), stack=False),
     Key("TORCH_VERSION", "2.11.0", pattern(r"\d+\.\d+(\.\d+)?", "a torch release such as 2.11.0"), stack=False),
     Key("TORCH_CUDA", "13.0", pattern(r"\d+\.\d+", "a CUDA version such as 13.0"), stack=False),

@@ -240,7 +240,7 @@ def predict(ladder: Mapping[str, Any], n_params: float, tokens: float, nonembedd
         lo_q = hi_q = central
     tol = tolerance_at(ladder, compute_of(n_params, tokens, flops_per_token))
     return Prediction(n_params=float(n_params), tokens=float(tokens), val_loss=central,
-                      low=min(lo_q, central) - tol, high=max(hi_q, central) + tol, tolerance=tol,
+                      low=max(0.0, min(lo_q, central) - tol), high=max(hi_q, central) + tol, tolerance=tol,
                       n_convention=convention)
 
 

@@ -149,7 +149,7 @@ def _join_by_step(a: Series, b: Series) -> list[tuple[float, float]]:
 
 def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predicted: float | None,
                  clip: float | None, title: str, restart_cost: dict[str, Any] | None = None,
-                 model: dict[str, Any] | None = None) -> None:
+                 model: dict[str, Any] | None = None, declared: dict[str, Any] | None = None) -> None:
 
     # One band per restart, from its stop to the relaunched process's first step (x1_common.restarts).
     bands = restart_bands(record.raw.get(MLFLOW_WALL_HOURS, []), (restart_cost or {}).get("restarts", []))
@@ -162,7 +162,11 @@ def draw_figures(out: Path, record: RunRecord, band: tuple[float, float], predic
                      predicted=predicted, title=f"{title}: loss", injection=window,
                      forecast=history_from_series(*(record.get(k) for k in MLFLOW_FORECAST_METRICS)),
                      spikes=[(s, v) for s, v in record.get("spike_loss") if s in flagged],
-                     lab_expected=plots.is_lab_model(model))  # the 50M run's table, not a tiny run's
+                     lab_expected=plots.is_lab_model(model),  # the 50M run's table, not a tiny run's
+                     band_label={"ladder": "the ladder's", "flag": "given to the run", "lab": "the lab's"}.get(
+                         str((declared or {}).get("source")), ""),
+                     ladder_prediction=(declared or {}).get("prediction") if (declared or {}).get("source") == "ladder"
+                     else None)
     plots.gradnorm_curve(out / "gradnorm-curve.png", record.get(MLFLOW_GRAD_NORM), record.get(MLFLOW_PARAM_NORM), clip=clip,
                          title=f"{title}: gradient and parameter norms", injection=window,
                          spikes=record.get("spike_grad_norm"))
@@ -385,7 +389,7 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         clip = _float_or_none((manifest["config"].get("optim") or {}).get("grad_clip"))
         title = f"{record.run_name or record.run_id[:8]} ({manifest['config_name']})"
         draw_figures(tmp, record, band, manifest["predicted_val_loss"], clip, title, manifest.get("restart_cost"),
-                     manifest["config"].get("model"))
+                     manifest["config"].get("model"), declared)
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / "manifest.json", manifest)  # last: a folder with a manifest is complete
         make_readable(tmp)  # mkdtemp made it private; the run folder is for reading

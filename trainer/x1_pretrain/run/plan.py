@@ -23,7 +23,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from x1_common.contracts import ExitCode
-from x1_common.scaling import LAB_BAND
+from x1_common.scaling import (
+    LAB_BAND,
+    LadderFileError,
+    Prediction,
+    declare_band,
+    load_ladder,
+    provenance_differences,
+)
+from x1_common.scaling import predict as predict_from_ladder
 from x1_pretrain.config import ConfigError, RunConfig, load_config
 from x1_pretrain.data.prepare import FINEWEB_EDU, FINEWEB_EDU_100BT, data_need
 from x1_pretrain.train.accounting import (
@@ -109,6 +117,10 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     sentence: str = ""
     probes: str = ""  # the cooldown probes' cost (train.cooldown_probes), counted in the proposed hours; "" when off
+    band_source: str = "lab"  # whose band the run is judged on: the ladder's (--ladder) or the lab's
+    ladder_prediction: dict | None = None  # the ladder's val loss, low, high at the proposed tokens (--ladder)
+    ladder_hours: float = 0.0  # the ladder run first (--ladder-share), in the proposed hours
+    ladder_usd: float = 0.0
     probe_hours: float = 0.0
     probe_usd: float = 0.0
 
@@ -126,6 +138,15 @@ def max_price_for(gpu: str, cfg: RunConfig) -> tuple[float, str]:
     ceiling = round(A100_MAX_PRICE_USD_PER_HR * row.tokens_per_sec / ref.tokens_per_sec, 2)
     return ceiling, (f"{usd(A100_MAX_PRICE_USD_PER_HR)}/h on the A100 80GB x this GPU's {fmt_count(row.tokens_per_sec)} "
                      f"/ the A100's {fmt_count(ref.tokens_per_sec)} tokens/s: the same price per token")
+
+
+def ladder_note(p: Prediction, chinchilla: float) -> str:
+    """What the measured ladder says, and which number to believe."""
+    return (f"the scaling ladder measured on this run's corpus, tokenizer and model family predicts "
+            f"{p.val_loss:.3f} [{p.low:.3f}, {p.high:.3f}] (its tolerance {p.tolerance:.3f} measured by leaving its "
+            f"largest size out): the run declares that band before its first step and the definition of done judges "
+            f"check 2 against it. Hoffmann's fit says {chinchilla:.2f} (another corpus: a guide); the lab's "
+            f"[{LAB_BAND[0]:.2f}, {LAB_BAND[1]:.2f}] is shown beside it")
 
 
 def band_note(predicted: float, band: tuple[float, float]) -> str:
@@ -152,7 +173,13 @@ def make_plan(
     setup_hours: float = 0.75,
     market: str | None = None,
     extras_usd: dict[str, float] | None = None,
+    ladder_share: float = 0.0,
+    ladder: dict | None = None,
 ) -> Plan:
+    """The plan. `ladder_share`: a scaling ladder runs first, for that share of the main run's
+    training hours (its hours and dollars come off before the main run's steps are proposed);
+    `ladder`: a fitted ladder.json (checked by the caller), whose prediction for the proposed run
+    is shown first and whose band the run is judged on."""
     extras = {k: v for k, v in (extras_usd or {}).items() if v}
     market = market or MARKETS[provider][0]
     if market not in MARKETS[provider]:
@@ -173,19 +200,25 @@ def make_plan(
     # What --hours buys: the steps their training hours hold at this throughput.
     # Cooldown probes take a fixed share of the run's steps (each probe_share x its fork step).
     probe_share = cfg.train.cooldown_probe_share * sum(cfg.train.cooldown_probes)
-    bought = int(tps * max(hours - setup_hours, 0.0) * 3600.0 // (cfg.train.tokens_per_step * (1.0 + probe_share)))
-    # The trainer refuses a launch whose steps, at this throughput plus its margin, would not finish
-    # under the cap once the setup hours are spent (and the other lines of the budget: storage,
-    # egress, a restart held back): propose no more than that, so that a plan's --total-steps is
-    # never refused by the trainer. The same arithmetic as the trainer's launch check
-    # (budget_guard.launch_projection): its evals, as it counts them before measuring one.
-    before = price_usd_per_hr * setup_hours + sum(extras.values())
-    fits = launch_projection(cfg, max(bought, 1), tps, price_usd_per_hr, budget_usd, spent_usd=before).fits
-    proposed = max(min(bought, fits), 0)
-    # What the proposed steps bill, setup included: their training hours at this throughput, evals
-    # included (the margin is the trainer's slack, not a bill).
-    run_hours = setup_hours + (launch_projection(cfg, proposed, tps, price_usd_per_hr, budget_usd).hours
-                               if proposed else 0.0)
+    # A ladder comes first: its hours (a share of the main run's, which depend on the steps proposed:
+    # found in a few rounds) are spent before the trainer's launch check, as on the instance.
+    ladder_hours = 0.0
+    for _ in range(4 if ladder_share > 0 else 1):
+        bought = int(tps * max(hours - setup_hours - ladder_hours, 0.0) * 3600.0
+                     // (cfg.train.tokens_per_step * (1.0 + probe_share)))
+        # The trainer refuses a launch whose steps, at this throughput plus its margin, would not finish
+        # under the cap once the setup hours are spent (and the other lines of the budget: storage,
+        # egress, a restart held back, the ladder): propose no more than that, so that a plan's
+        # --total-steps is never refused by the trainer. The same arithmetic as the trainer's launch
+        # check (budget_guard.launch_projection): its evals, as it counts them before measuring one.
+        before = price_usd_per_hr * (setup_hours + ladder_hours) + sum(extras.values())
+        fits = launch_projection(cfg, max(bought, 1), tps, price_usd_per_hr, budget_usd, spent_usd=before).fits
+        proposed = max(min(bought, fits), 0)
+        # What the proposed steps bill: their training hours at this throughput, evals included (the
+        # margin is the trainer's slack, not a bill).
+        train_hours = launch_projection(cfg, proposed, tps, price_usd_per_hr, budget_usd).hours if proposed else 0.0
+        ladder_hours = ladder_share * train_hours
+    run_hours = setup_hours + ladder_hours + train_hours
     cost = price_usd_per_hr * run_hours
     total = cost + sum(extras.values())
     reasons = []
@@ -202,9 +235,10 @@ def make_plan(
     verdict = "refuse" if reasons else "go"
     what = f"1× {GPU_DISPLAY.get(gpu, gpu)} {market} on {PROVIDER_DISPLAY.get(provider, provider)}"
     shown_hours = f"{hours:g}" if proposed == bought and abs(run_hours - hours) < 0.05 else f"{run_hours:.1f}"
+    including = f"setup and the ladder's {ladder_hours:.1f} h" if ladder_hours else "setup"
     sentence = (
-        f"This will launch {what} at {usd(price_usd_per_hr)}/h, run ~{shown_hours} h including setup = {usd(cost)}. "
-        f"Budget: {usd(budget_usd)}. "
+        f"This will launch {what} at {usd(price_usd_per_hr)}/h, run ~{shown_hours} h including {including} = "
+        f"{usd(cost)}. Budget: {usd(budget_usd)}. "
     )
     sentence += (
         f"Confirmed acceptable, {usd(budget_usd - cost)} buffer."
@@ -213,6 +247,11 @@ def make_plan(
     )
     tokens = proposed * cfg.train.tokens_per_step
     predicted = round(chinchilla_loss(counts["total"], tokens), 3)
+    measured = None
+    if ladder is not None and proposed:
+        measured = predict_from_ladder(ladder, counts["total"], tokens, counts["non_embedding"],
+                                       flops_per_token(cfg.model))
+    band = declare_band(measured, None)
     lab = launch_projection(cfg, cfg.train.total_steps, tps, price_usd_per_hr, budget_usd, spent_usd=before)
     floor = throughput_floor(cfg.train, tps)
     need = data_need(tokens)
@@ -266,8 +305,12 @@ def make_plan(
             "embeddings, D = the proposed steps' tokens; fitted on MassiveText with another tokenizer, so a guide "
             "for FineWeb-Edu / GPT-2 BPE"
         ).format(**CHINCHILLA),
-        dod_band=DOD_BAND,
-        band_note=band_note(predicted, DOD_BAND),
+        dod_band=(band.low, band.high),
+        band_note=band_note(predicted, DOD_BAND) if measured is None else ladder_note(measured, predicted),
+        band_source=band.source,
+        ladder_prediction=None if measured is None else measured.as_dict(),
+        ladder_hours=round(ladder_hours, 3),
+        ladder_usd=round(ladder_hours * price_usd_per_hr, 2),
         chinchilla_optimal_tokens=chinchilla_optimal_tokens(counts["total"]),
         proposed_hours=round(run_hours, 3),
         max_price_source=max_source,
@@ -291,7 +334,7 @@ def render(plan: Plan, cfg: RunConfig) -> str:
         left = f"{usd(plan.buffer_usd)} left" if plan.buffer_usd >= 0 else f"{usd(-plan.buffer_usd)} over"
         lines.append(f"  {'total':<16} {usd(plan.total_usd)} of {usd(plan.budget_usd)}, {left}")
         lines.append("")
-    train_hours = plan.proposed_hours - plan.setup_hours
+    train_hours = plan.proposed_hours - plan.setup_hours - plan.ladder_hours
     passes = (f"~{plan.data_passes:.1f} passes over the data" if plan.data_passes > 1.05 else
               "one pass over the data or less")
     rows = [
@@ -302,16 +345,24 @@ def render(plan: Plan, cfg: RunConfig) -> str:
         ("throughput floor", f"{fmt_count(plan.floor_tokens_per_sec)} tokens/s ({plan.floor_source}): under it in "
                              "the first hour, the trainer says stop and diagnose" if plan.floor_tokens_per_sec else
                              plan.floor_source),
-        ("training hours", f"{train_hours:.2f} (of {plan.proposed_hours:.2f}, {plan.setup_hours:g} h setup)"),
+        ("training hours", f"{train_hours:.2f} (of {plan.proposed_hours:.2f}, {plan.setup_hours:g} h setup"
+                           + (f", {plan.ladder_hours:.2f} h the ladder)" if plan.ladder_hours else ")")),
         ("tokens bought", f"{fmt_count(plan.tokens)} = {plan.proposed_total_steps:,} steps of "
                           f"{fmt_count(plan.tokens_per_step)}"),
         ("data", f"{fmt_count(plan.tokens)} tokens from {plan.data_source} (~{(FINEWEB_EDU.tokens or 0) / 1e9:g}B "
                  f"tokens): {passes}"),
         ("max price", f"{usd(plan.max_price_usd_per_hr)}/h ({plan.max_price_source})"),
+        *([("ladder (measured)", f"{plan.ladder_prediction['val_loss']:.3f} "
+                                  f"[{plan.ladder_prediction['low']:.3f}, {plan.ladder_prediction['high']:.3f}] "
+                                  f"at {fmt_count(plan.tokens)} tokens: the number to believe")]
+          if plan.ladder_prediction else []),
         ("predicted val loss", f"{plan.predicted_val_loss:.2f} nats/token at {fmt_count(plan.tokens)} tokens "
                                "(Chinchilla fit, another corpus: a guide)"),
-        ("DoD band", f"[{plan.dod_band[0]:.2f}, {plan.dod_band[1]:.2f}] final val loss (check 2): the number to "
-                     "believe"),
+        ("DoD band", f"[{plan.dod_band[0]:.2f}, {plan.dod_band[1]:.2f}] final val loss (check 2), "
+                     + ("the ladder's: the run declares it before its first step" if plan.band_source == "ladder"
+                        else "the lab's (no ladder): the number to believe")),
+        *([("ladder first", f"~{plan.ladder_hours:.2f} h = {usd(plan.ladder_usd)} before the main run (LADDER_SHARE "
+                            "of its training hours), in the sentence's hours")] if plan.ladder_hours else []),
         ("Chinchilla-optimal", f"{fmt_count(plan.chinchilla_optimal_tokens)} tokens for {fmt_count(plan.params_total)} params (fit)"),
     ]
     lines += [f"  {k:<20} {v}" for k, v in rows]
@@ -414,6 +465,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-usd", type=float, default=0.0, help="persistent disk for the run (seed: $2)")
     p.add_argument("--egress-usd", type=float, default=0.0, help="data download egress (seed: $1)")
     p.add_argument("--restart-buffer-usd", type=float, default=0.0, help="money held back for one relaunch (seed: $5)")
+    p.add_argument("--ladder-share", type=float, default=0.0, metavar="SHARE",
+                   help="a scaling ladder runs first (LADDER=1 in .env) for this share of the main run's training "
+                        "hours, e.g. 0.05: its hours and dollars come off before the steps are proposed (default 0)")
+    p.add_argument("--ladder", type=Path, metavar="LADDER.json",
+                   help="a fitted ladder (python -m x1_pretrain.ladder): its prediction for the proposed run first, "
+                        "and its band as the one the run will be judged on")
     p.add_argument("--json", action="store_true", help="print only a JSON object")
     p.add_argument("--write-env", type=Path, metavar="PATH",
                    help="write the proposed values (TOTAL_STEPS, BUDGET_CAP_USD, MAX_PRICE_USD_PER_HR, "
@@ -436,6 +493,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.USAGE
     market = "interruptible" if args.market == "spot" else args.market
+    if not 0 <= args.ladder_share < 1:
+        parser.error(f"--ladder-share must be a share of the main run's hours in [0, 1), got {args.ladder_share}")
+    ladder = None
+    if args.ladder is not None:
+        try:
+            ladder = load_ladder(args.ladder)
+        except LadderFileError as e:
+            print(f"error: --ladder: {e}", file=sys.stderr)
+            return ExitCode.USAGE
+        diffs = provenance_differences(ladder.get("provenance") or {}, {
+            "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len, "model_family": cfg.model.family})
+        if diffs:
+            print(f"error: --ladder {args.ladder}: made for another run: {'; '.join(diffs)}", file=sys.stderr)
+            return ExitCode.USAGE
     try:
         plan = make_plan(
             cfg,
@@ -450,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_sec=args.tokens_per_sec,
             extras_usd={"storage": args.storage_usd, "egress": args.egress_usd,
                         "restart buffer": args.restart_buffer_usd},
+            ladder_share=args.ladder_share,
+            ladder=ladder,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

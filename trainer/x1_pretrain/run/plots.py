@@ -120,9 +120,12 @@ def loss_curve(
     spikes: Series = (),
     forecast: Sequence[dict[str, float]] = (),
     lab_expected: bool = True,
+    band_label: str = "",
+    ladder_prediction: float | None = None,
 ) -> None:
     """Train and val loss vs step, the lab's expected points where the steps overlap (only on a
-    run of the lab's model: `lab_expected`), and the definition-of-done band shaded."""
+    run of the lab's model: `lab_expected`), the band the run declared shaded (`band_label` says
+    whose), and a scaling ladder's prediction where the band is the ladder's."""
     fig, ax = plt.subplots(figsize=(9, 5))
     if train:
         ax.plot(*_xy(train), color="tab:blue", lw=1.2, label="train loss")
@@ -141,7 +144,10 @@ def loss_curve(
             ax.plot([p.step for p in lab_val], [p.val_loss for p in lab_val], "o", mfc="none", color="black",
                     ms=8, label="the lab's expectation for the 50M run: val")
     ax.axhspan(band[0], band[1], color="tab:green", alpha=0.12, lw=0,
-               label=f"final val loss band [{band[0]:.2f}, {band[1]:.2f}]")
+               label=f"final val loss band [{band[0]:.2f}, {band[1]:.2f}]" + (f" ({band_label})" if band_label else ""))
+    if ladder_prediction is not None:
+        ax.axhline(ladder_prediction, color="tab:green", ls="-.", lw=1.2,
+                   label=f"the scaling ladder's prediction: {ladder_prediction:.3f}")
     if predicted is not None:
         label = f"Chinchilla fit at the run's tokens: {predicted:.2f} (other corpus and tokenizer)"
         top = max([v for _, v in train] + [v for _, v in val] + [band[1]])

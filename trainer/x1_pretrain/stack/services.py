@@ -187,6 +187,10 @@ def trainer(s: Settings, m: Mode) -> Service:
         "RDZV_ID": s["RDZV_ID"],
         "RDZV_JOIN_TIMEOUT": s["RDZV_JOIN_TIMEOUT"],
         "X1_TRAIN_EXTRA_ARGS": s["TRAIN_EXTRA_ARGS"],
+        # The scaling ladder before the main run (trainer/entrypoint.sh, x1_pretrain.ladder step)
+        "X1_LADDER": s["LADDER"],
+        "X1_LADDER_SHARE": s["LADDER_SHARE"],
+        "X1_LADDER_DIR": m.ws("ladder"),
         # torch.compile's caches on the volume: a relaunch after a preemption recompiles from cache.
         "TORCHINDUCTOR_CACHE_DIR": m.ws("cache", "inductor"),
         "TRITON_CACHE_DIR": m.ws("cache", "triton"),

@@ -800,7 +800,8 @@ class RunCurve:
         """The curve as the trainer has it at the eval at `step` (a probe forked there runs after it)."""
         curve = Curve(bin_width=max(self.schedule.total_steps // TRAIN_BINS, 1))
         for s in range(1, min(step, len(self.train)) + 1):
-            curve.add_train(s, float(self.train[s - 1]))
+            if math.isfinite(self.train[s - 1]):  # a run's logs give every log_every-th step (NaN between)
+                curve.add_train(s, float(self.train[s - 1]))
         for s, v in zip(self.val_steps, self.val, strict=True):
             if s <= step:
                 curve.add_val(int(s), float(v))

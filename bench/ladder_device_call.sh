@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The ladder's and the forecast's GPU benchmark in one device call (docs/SCALING.md, docs/FORECAST.md):
+# the corpus and the plain reference; the ladder beside targets T1-T3 (cooldown probes on) and T1c (T1
+# without probes); T4 with --ladder and probes once the ladder is fitted; the accuracy table. Run from the
+# repository root on the GPU machine, with the plain reference at $REFERENCE and the wheels the machine
+# lacks in .whl/ (docs/PERFORMANCE.md says which), writing under $OUT:
+#   REFERENCE=.device/reference_50m.py OUT=out bash bench/ladder_device_call.sh
+set -u
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/triton
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,sys;print(torch.__version__, sys.version)"; date -u; git log --oneline -1; } > "$OUT/env.txt" 2>&1
+B="python3 bench/ladder_accuracy.py"; W=/tmp/w; D=/tmp/d; P="--probes 0.025,0.05,0.1"
+rm -rf "$W"; mkdir -p "$W"
+python3 "$REFERENCE" > "$OUT/reference.txt" 2>&1 &
+REF=$!
+[ -f $D/meta.json ] || timeout 150 $B corpus --data $D --max-mb 900 > $W/corpus.txt 2>&1
+wait $REF
+( timeout 430 $B ladder --data $D --work $W --jobs 8 > $W/ladder.txt 2>&1
+  timeout 300 $B targets --data $D --work $W --names T4 $P --ladder $W/ladder/ladder.json > $W/t4.txt 2>&1 ) &
+LT=$!
+timeout 440 $B targets --data $D --work $W --names T1,T2,T3 $P > $W/t123.txt 2>&1 &
+TG=$!
+timeout 440 $B targets --data $D --work $W --names T1c > $W/t1c.txt 2>&1 &
+TC=$!
+wait $TG $TC
+wait $LT
+$B table --work $W > "$OUT/table.md" 2>&1
+$B curves --work $W --names T1,T2,T3,T4,T1c --out $W/target_curves.json --device "$(head -2 "$OUT/env.txt" | tail -1)"
+tar czf "$OUT/ladder-bench.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude=mlruns -C $W .
+cat "$OUT/table.md"
