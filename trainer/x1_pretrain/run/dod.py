@@ -109,6 +109,9 @@ def judged_band(manifest: dict[str, Any] | None, flag: tuple[float, float] | Non
     """The band check 2 judges against: the run's `declared_band` (fixed before its first step),
     else --band, else the lab's; and a note when --band was given but the run declared another."""
     declared = DeclaredBand.from_dict((manifest or {}).get("declared_band"))
+    if declared is not None and declared.source == "lab" and flag is not None:
+        # The run chose no band (the lab's applied by default): a band given here is the one asked for.
+        return declare_band(None, flag), "; the run declared no band of its own: --band as given"
     if declared is not None:
         ignored = ""
         if flag is not None and (flag[0], flag[1]) != (declared.low, declared.high):

@@ -339,11 +339,14 @@ def declared_band_of(record: RunRecord, flag: tuple[float, float] | None) -> dic
         recorded = json.loads(record.tags.get(BAND_TAG, "null"))
     except ValueError:
         recorded = None
-    if DeclaredBand.from_dict(recorded) is not None:
+    if DeclaredBand.from_dict(recorded) is not None and not (recorded["source"] == "lab" and flag is not None):
         if flag is not None and (flag[0], flag[1]) != (recorded["low"], recorded["high"]):
             log.warning("--band %g %g not used: the run declared %s before its first step", flag[0], flag[1],
                         DeclaredBand.from_dict(recorded).describe())  # type: ignore[union-attr]
         return recorded
+    if recorded is not None and flag is not None:  # the lab's by default: the run chose none of its own
+        return {**declare_band(None, flag).as_dict(), "note": "the run declared no band of its own (the lab's by "
+                "default): --band as given to export_run"}
     return {**declare_band(None, flag).as_dict(), "note": "the run recorded no band at its start (an older trainer): "
             + ("--band as given to export_run" if flag else "the lab's")}
 

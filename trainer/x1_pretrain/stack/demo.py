@@ -260,9 +260,10 @@ def stack_command(ws: Workspace, *args: str, env: dict[str, str] | None = None,
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def demo_env(ws: Workspace, ports: Ports, sched: Schedule, instance_id: str) -> Path:
-    """The .env a user would write for this run (no secret in it: the key comes from the environment)."""
-    extra = (f"--inject-spike-at-step {sched.spike_at} --run-name x1-demo "
+def demo_env(ws: Workspace, ports: Ports, sched: Schedule, instance_id: str, band: tuple[float, float] = BAND) -> Path:
+    """The .env a user would write for this run (no secret in it: the key comes from the environment).
+    The run declares the demo's band before its first step (--band), as a run declares its own."""
+    extra = (f"--inject-spike-at-step {sched.spike_at} --run-name x1-demo --band {band[0]:g} {band[1]:g} "
              # Wall minutes: with the billing clock sped up, the guard must look more often than the
              # production 30 min to see anything happen in a demo.
              f"--budget-check-every-min 0.25 --planned-rate-usd-per-hr {PRICE_USD_PER_HR:g} "
@@ -447,7 +448,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
             ws.log("fake-billing"), dict(os.environ, BILLING_API_KEY=api_key, PYTHONUNBUFFERED="1"),
             url=f"http://127.0.0.1:{ports.fake_billing}", health_path="/_state")
         prepare_data(ws, steps, console)
-        env_file = demo_env(ws, ports, sched, instance_id)
+        env_file = demo_env(ws, ports, sched, instance_id, tuple(args.band))
         wait_until(fake.healthy, 60, "the fake billing API")
         console.say(f"fake billing API  {fake.url}  (instance {instance_id}, ${PRICE_USD_PER_HR:.2f}/h)")
         console.say(f"$ python -m x1_pretrain.stack up -d --env-file {env_file} --workspace {ws.root}")
