@@ -277,7 +277,7 @@ class Forecast:
 
     def sources(self) -> str:
         """What the forecast used besides its own curve: its probes, and the ladder or its absence."""
-        probes = f" + {self.probe_points} probes" if self.probe_points else ""
+        probes = f" + {self.probe_points} probe{'s' if self.probe_points > 1 else ''}" if self.probe_points else ""
         return f"{probes}, law {self.law}, {'ladder prior' if self.ladder else 'no ladder'}"
 
     def line(self) -> str:
