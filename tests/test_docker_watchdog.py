@@ -142,3 +142,37 @@ def test_container_that_crashes_after_a_step_keeps_being_relaunched_until_max_re
     assert [e["event"] for e in trainer.events][-1] == "give_up"
     assert [s["from_step"] for s in trainer.starts] == [0, 1, 2]  # a step each launch: progress
     assert trainer.state["final"]["reason"] == "given-up"
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_docker_mode_terminate_answered_ok_leaving_the_instance_running_is_still_billing(container, tmp_path, provider):
+    """--terminate-on-finish in docker mode (compose's watchdog): a terminate the provider answers
+    "ok" while the instance runs on is "terminate sent, still billing" (exit 82), never terminated;
+    the restarted watchdog reads it back, sends again and records the end once the provider shows it."""
+    from money import assert_fake_holds_nothing_unrecorded
+
+    from budget_sidecar.testing import FakeBilling
+
+    key = "docker-terminate-key-3f9a"
+    fake = FakeBilling.start(tmp_path / "fake", provider=provider, instance_id="inst-1", api_key=key)
+    try:
+        fake.control(terminate_effect={"mode": "ignore"})
+        trainer = container("--steps", "1", "--step-seconds", "0.05")
+        termination = tmp_path / "logs" / "termination.json"
+        opts = ["--terminate-on-finish", "--provider", provider, "--api-url", fake.url, "--instance-id", "inst-1",
+                "--termination-file", str(termination), "--terminate-confirm-seconds", "2"]
+        env = cli_env(**{f"{provider.upper()}_API_KEY": key})
+        assert trainer.watchdog(*opts, env=env) == 82, trainer.log()
+        record = json.loads(termination.read_text())
+        assert record["confirmed"] is False and trainer.state["final"]["terminated"] is False
+        assert "STILL BILLING" in trainer.log() and fake.state()["instances"]["inst-1"]["billing"]
+        assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
+
+        fake.control(terminate_effect={"mode": "now"})
+        assert trainer.watchdog(*opts, env=env) == 0, trainer.log()
+        record = json.loads(termination.read_text())
+        assert record["confirmed"] is True and trainer.state["final"]["terminated"] is True
+        assert len(trainer.starts) == 1
+        assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
+    finally:
+        fake.stop()

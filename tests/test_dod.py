@@ -106,28 +106,49 @@ def test_cap_comes_from_the_flag_before_the_recorded_cap(run_copy: Path) -> None
 
 
 LAMBDA_TERMINATE = {"data": {"terminated_instances": [{"id": "inst-1", "status": "terminating"}]}}
-LAMBDA_RECORD = {"data": {"id": "inst-1", "status": "terminated", "instance_type": {"name": "gpu_1x_a100_sxm4"}}}
 RUNPOD_TERMINATE = {"data": {"podTerminate": None}}
-RUNPOD_POD = {"data": {"pod": {"id": "pod-1", "desiredStatus": "TERMINATED", "costPerHr": "0.79"}}}
-WATCHDOG_RUNPOD = {"provider": "runpod", "instance_id": "pod-1", "response": RUNPOD_TERMINATE,
-                   "instance_after": {"status": "terminated", "raw_status": "TERMINATED"}}
 
 
-@pytest.mark.parametrize("record", [LAMBDA_TERMINATE, LAMBDA_RECORD, RUNPOD_TERMINATE, RUNPOD_POD, WATCHDOG_RUNPOD],
-                         ids=["lambda-terminate", "lambda-instance", "runpod-terminate", "runpod-pod", "watchdog-runpod"])
-def test_termination_records_of_both_providers_are_accepted(tmp_path: Path, record: dict) -> None:
-    (tmp_path / "termination.json").write_text(json.dumps(record))
-    check = dod.check_termination(tmp_path)
-    assert check.ok, check.reason
+def read_back(provider: str, after: dict, instance_id: str = "inst-1") -> dict:
+    """A termination record as the watchdog and `x1 down` write it: the calls, then what was read back."""
+    response = LAMBDA_TERMINATE if provider == "lambda" else RUNPOD_TERMINATE
+    return {"provider": provider, "instance_id": instance_id, "confirmed": True, "response": response,
+            "instance_after": after}
 
 
 @pytest.mark.parametrize("record", [
-    {"data": {"id": "inst-1", "status": "active"}},
-    {"data": {"terminated_instances": []}},
-    {"errors": [{"message": "Pod not found"}], "data": {"podTerminate": None}},
-    {"data": {"pod": {"id": "pod-1", "desiredStatus": "RUNNING"}}},
-], ids=["lambda-still-active", "lambda-nothing-terminated", "runpod-error", "runpod-still-running"])
-def test_records_that_do_not_show_a_terminated_instance_fail_check_6(tmp_path: Path, record: dict) -> None:
+    read_back("lambda", {"status": "terminated", "raw_status": "terminated", "raw": {"id": "inst-1", "status": "terminated"}}),
+    read_back("lambda", {"status": "not-found", "instance_id": "inst-1", "http_status": 404,
+                         "api_error": {"code": "global/object-does-not-exist", "message": "Specified instance does not exist."}}),
+    read_back("runpod", {"status": "terminated", "raw_status": "TERMINATED", "raw": {"id": "inst-1", "desiredStatus": "TERMINATED"}}),
+    read_back("runpod", {"status": "not-found", "instance_id": "inst-1", "api_error": {"data": {"pod": None}}}),
+    read_back("runpod", {"status": "not-found", "instance_id": "inst-1", "api_error": [{"message": "Pod not found"}]}),
+], ids=["lambda-read-back-terminated", "lambda-api-not-found", "runpod-read-back-terminated", "runpod-null-pod",
+        "runpod-graphql-not-found"])
+def test_check_6_passes_on_the_providers_state_read_back_after_the_terminate(tmp_path: Path, record: dict) -> None:
+    (tmp_path / "termination.json").write_text(json.dumps(record))
+    check = dod.check_termination(tmp_path)
+    assert check.ok, check.reason
+    assert "read back after the terminate" in check.reason
+
+
+@pytest.mark.parametrize("record", [
+    LAMBDA_TERMINATE,
+    RUNPOD_TERMINATE,
+    {"provider": "runpod", "instance_id": "inst-1", "response": RUNPOD_TERMINATE},
+    {"data": {"id": "inst-1", "status": "terminated"}},
+    read_back("runpod", {"status": "running", "raw_status": "RUNNING", "raw": {"id": "inst-1", "desiredStatus": "RUNNING"}}),
+    read_back("lambda", {"status": "terminating", "raw_status": "terminating", "raw": {"id": "inst-1"}}),
+    read_back("lambda", {"status": "terminated", "raw_status": "terminated", "raw": {"id": "other-9"}}),
+    read_back("lambda", {"status": "not-found", "instance_id": "inst-1", "http_status": 404, "api_error": None,
+                         "message": "HTTP 404: not the lambda API's own answer (text/html)"}),
+    read_back("lambda", {"status": "not-found", "instance_id": "other-9",
+                         "api_error": {"code": "global/object-does-not-exist"}}),
+    read_back("runpod", {"status": "unread", "instance_id": "inst-1", "error": "timed out"}),
+], ids=["lambda-terminate-answer-alone", "runpod-terminate-answer-alone", "runpod-answer-without-read-back",
+        "bare-instance-record", "runpod-still-running-after-podTerminate", "lambda-terminating",
+        "terminated-record-of-another-id", "a-404-that-is-not-the-apis", "not-found-for-another-id", "unread"])
+def test_check_6_fails_without_the_providers_terminated_state_for_that_id(tmp_path: Path, record: dict) -> None:
     (tmp_path / "termination.json").write_text(json.dumps(record))
     check = dod.check_termination(tmp_path)
     assert not check.ok and "shows no terminated instance" in check.reason

@@ -285,3 +285,70 @@ def test_fake_process_timeout_mode_holds_requests_until_the_outage_ends(lambda_f
     assert http_json(lambda_fake.url + "/_state")["fail_mode"] == "none"
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert json.loads(resp.read())["data"]["status"] == "active"
+
+
+# --- misbehaving on demand, as real APIs do ----------------------------------------------------------------
+
+LAUNCH = {"region_name": "us-east-1", "instance_type_name": "gpu_1x_a100_sxm4", "name": "x1-t"}
+
+
+def test_a_fault_after_the_create_creates_and_loses_the_answer_once() -> None:
+    cloud, client, _ = make("lambda")
+    cloud.control({"fault": {"mode": "502-html", "on": "create", "when": "after", "count": 1}})
+    r = client.post("/api/v1/instance-operations/launch", json=LAUNCH, headers=AUTH)
+    assert r.status_code == 502 and r.headers["content-type"].startswith("text/html") and "Bad Gateway" in r.text
+    assert len(cloud.launch_calls) == 1 and len(cloud.instances) == 2  # created all the same
+    assert client.get("/api/v1/instances/inst-1", headers=AUTH).status_code == 200  # other operations untouched
+    assert client.post("/api/v1/instance-operations/launch", json=LAUNCH, headers=AUTH).status_code == 200  # count used
+    assert cloud.state()["faults_hit"] == [{"op": "create", "mode": "502-html", "when": "after"}]
+
+
+def test_a_fault_before_the_operation_does_not_do_it() -> None:
+    cloud, client, _ = make("runpod")
+    cloud.control({"fault": {"mode": "404-html", "on": "terminate"}})
+    r = client.post("/graphql", headers=AUTH, json={
+        "query": "mutation T($podId: String!) { podTerminate(input: {podId: $podId}) }", "variables": {"podId": "inst-1"}})
+    assert r.status_code == 404 and "<html>" in r.text
+    assert cloud.terminate_calls == [] and pod(client)["data"]["pod"]["desiredStatus"] == "RUNNING"
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_a_terminate_answered_ok_can_leave_the_instance_running_or_end_it_later(provider: str) -> None:
+    cloud, client, clock = make(provider)
+    cloud.control({"terminate_effect": {"mode": "ignore", "count": 1}})
+    cloud.request_terminate(cloud.instances["inst-1"])
+    assert cloud.state()["instances"]["inst-1"]["billing"]  # answered ok, still running
+    cloud.control({"terminate_effect": {"mode": "async", "delay_s": 10}})
+    with cloud.lock:
+        cloud.request_terminate(cloud.instances["inst-1"])
+    assert cloud.state()["instances"]["inst-1"]["status"] == ("terminating" if provider == "lambda" else "RUNNING")
+    clock.t += 11
+    assert cloud.state()["instances"]["inst-1"]["status"] == ("terminated" if provider == "lambda" else "TERMINATED")
+
+
+def test_a_misreport_shows_another_id_type_and_price_but_bills_the_real_one() -> None:
+    cloud, client, clock = make("lambda")
+    cloud.control({"misreport": {"instance_id": "inst-1", "id": "other-9", "instance_type": "gpu_1x_a10",
+                                 "price_usd_per_hr": 0.75}})
+    data = client.get("/api/v1/instances/inst-1", headers=AUTH).json()["data"]
+    assert data["id"] == "other-9" and data["instance_type"]["name"] == "gpu_1x_a10"
+    assert data["instance_type"]["price_cents_per_hour"] == 75
+    clock.t += 3600 / 3600.0  # one billed hour at the fake's scale
+    assert cloud.state()["instances"]["inst-1"]["billed_usd"] == pytest.approx(1.10)
+    cloud.control({"reset": True})
+    assert cloud.state()["instances"] == {} and cloud.misreports == {}
+
+
+def test_runpod_lists_the_accounts_pods_and_rents_an_interruptible_one_at_its_bid() -> None:
+    cloud, client, _ = make("runpod")
+    spec = {"gpuTypeId": "NVIDIA A100 80GB PCIe", "imageName": "runpod/base:1.0.2-ubuntu2204", "name": "x1-i",
+            "cloudType": "COMMUNITY", "bidPerGpu": 1.0, "minCudaVersion": "13.0"}
+    query = "mutation D($input: PodRentInterruptableInput!) { podRentInterruptable(input: $input) { id } }"
+    low = client.post("/graphql", headers=AUTH, json={"query": query, "variables": {"input": spec}}).json()
+    assert "under the spot price" in low["errors"][0]["message"]
+    spec["bidPerGpu"] = 1.10
+    made = client.post("/graphql", headers=AUTH, json={"query": query, "variables": {"input": spec}}).json()
+    new = made["data"]["podRentInterruptable"]["id"]
+    assert cloud.create_calls[-1]["operation"] == "podRentInterruptable" and cloud.create_calls[-1]["minCudaVersion"] == "13.0"
+    pods = client.post("/graphql", headers=AUTH, json={"query": "query { myself { pods { id name } } }"}).json()
+    assert {p["id"] for p in pods["data"]["myself"]["pods"]} == {"inst-1", new}

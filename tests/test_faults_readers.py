@@ -255,27 +255,32 @@ def test_a_frozen_trainer_is_stalled_whatever_its_heartbeat_says_the_time_is(tmp
     when = json.dumps(beat_time) if text is None else text
     hb.write_text(f'{{"step": 7, "time": {when}, "pid": 1234, "phase": "training"}}')
     stall_s, started = 60.0, NOW
-    det = StallDetector(hb, stall_seconds=stall_s, startup_grace_seconds=10.0)
+    clock = [started]
+    det = StallDetector(hb, stall_seconds=stall_s, startup_grace_seconds=10.0, clock=lambda: clock[0])
     det.arm(started)
-    t = started + 1.0
-    det.check(t)  # first sight of the beat
+    clock[0] = started + 1.0
+    det.check()  # first sight of the beat
     for _ in range(3):  # the beat never changes: the trainer is frozen
-        t += stall_s
-        det.check(t)
-    later = t + stall_s + CLOCK_SKEW_S + 1.0
-    assert det.check(later) is not None, (beat_time, text)
+        clock[0] += stall_s
+        det.check()
+    clock[0] += stall_s + CLOCK_SKEW_S + 1.0
+    assert det.check() is not None, (beat_time, text)
 
 
 def test_a_heartbeat_from_the_future_or_infinity_is_a_stall_once_it_stops_changing(tmp_path: Path) -> None:
     hb = tmp_path / "heartbeat.json"
-    det = StallDetector(hb, stall_seconds=30.0, startup_grace_seconds=5.0)
+    clock = [NOW]
+    det = StallDetector(hb, stall_seconds=30.0, startup_grace_seconds=5.0, clock=lambda: clock[0])
     det.arm(NOW)
     hb.write_text(json.dumps({"step": 3, "time": NOW + 365 * 86400, "pid": 1, "phase": "training"}))
-    assert det.check(NOW + 10) is None  # seen now: young
-    reason = det.check(NOW + 45)
+    clock[0] = NOW + 10
+    assert det.check() is None  # seen now: young
+    clock[0] = NOW + 45
+    reason = det.check()
     assert reason is not None and "future" in reason
     hb.write_text('{"step": 3, "time": Infinity, "pid": 1, "phase": "training"}')
-    assert det.check(NOW + 46) is not None  # an unreadable time: no heartbeat at all, past the grace
+    clock[0] = NOW + 46
+    assert det.check() is not None  # an unreadable time: no heartbeat at all, past the grace
 
 
 # ---- budget.json times: spend never looks lower, staleness never hidden ----------------------------------
@@ -403,8 +408,10 @@ def test_a_zero_price_is_suspect_and_a_higher_one_is_taken_at_once() -> None:
     r = led.reading(7200, cap_usd=35, planned_hours=None, stale_after_failures=2, source="provider-api")
     assert r is not None and r.rate_usd_per_hr == 2.0 and not r.stale and r.spent_usd == pytest.approx(3.1)
     other = parse_lambda_instance({"id": "i", "status": "active", "instance_type": {"name": "a10", "price_cents_per_hour": 75}})
-    led.record_success(10800, other, time_scale=1)  # another instance type, reported: its lower price is taken
-    assert led.rate_usd_per_hr == 0.75 and led.rate_note is None
+    led.record_success(10800, other, time_scale=1)  # another type under the same id: a running one does not change
+    r = led.reading(10800, cap_usd=35, planned_hours=None, stale_after_failures=2, source="provider-api")
+    assert r is not None and r.rate_usd_per_hr == 2.0 and r.stale and r.spent_usd == pytest.approx(5.1)
+    assert "a running instance does not change type" in (led.rate_note or "") and led.instance_type == "a100"
 
 
 @FAST

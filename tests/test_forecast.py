@@ -330,7 +330,10 @@ def test_the_manifest_keeps_what_the_forecast_said_at_10_25_50_percent_and_dod_p
     assert summary["at"]["10%"]["step"] == 400 and summary["at"]["25%"]["step"] == 1000
     assert summary["at"]["50%"]["step"] == 2400 and summary["at"]["50%"]["held"] is True
     assert summary["at"]["10%"]["error"] == pytest.approx(0.12) and summary["at"]["10%"]["held"] is False
-    check = check_val_loss({"final_val_loss": 3.33, "forecast": summary, "predicted_val_loss": 3.35}, (3.2, 3.5))
+    from x1_common.scaling import DeclaredBand
+
+    check = check_val_loss({"final_val_loss": 3.33, "forecast": summary, "predicted_val_loss": 3.35},
+                           DeclaredBand(3.2, 3.5, "lab"))
     assert check.ok
     assert "forecast at 10%: 3.450 [3.350, 3.550] (+0.120, missed); 25%: 3.400" in check.reason
     assert "Chinchilla fit 3.350" in check.reason

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from compose_stack import require_engine, wait_for
+from compose_stack import TORCH_IMAGE_VERSION, require_engine, wait_for
 from launch_instance import (
     API_KEY,
     INSTANCE_IMAGE,
@@ -90,6 +90,9 @@ def run_env(path: Path) -> Path:
         "STARTUP_GRACE_SECONDS=300", "MAX_RESTARTS=3", "MLFLOW_WORKERS=1",
         "TRAIN_EXTRA_ARGS=--run-name x1-launch-test --budget-check-every-min 0.25 --planned-rate-usd-per-hr 1.26 "
         "--planned-hours 24",
+        # The instance image's torch (the CPU stand-in of the Docker tests, as its Dockerfile build
+        # gets): the boot script's venv on the volume keeps it instead of installing the GPU pin.
+        f"TORCH_VERSION={TORCH_IMAGE_VERSION}", "TORCH_CUDA=none",
     ]) + "\n", encoding="utf-8")
     return path
 

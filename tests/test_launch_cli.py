@@ -1,4 +1,5 @@
-"""`x1` refusing before anything is rented: a price over the ceiling, a wrong API key, bad input.
+"""`x1` refusing before anything is rented: a price over the ceiling, a wrong API key, bad input;
+and the pre-launch sentence made of plan's numbers for the .env's steps.
 
 Against the fake provider API as a real process (budget_sidecar.fake_billing on 127.0.0.1); the
 whole path with SSH and containers is tests/test_launch.py.
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from budget_sidecar.testing import FakeBilling
+from conftest import REPO
 
 X1 = str(Path(sys.executable).parent / "x1")
 KEY = "cli-test-key-4f1c9a7e"
@@ -52,19 +54,25 @@ def x1(*args: str, key: str | None, provider: str, state: Path) -> subprocess.Co
     return subprocess.run([X1, *args], capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
 
 
-def launch_args(fake: FakeBilling, ssh_key: Path, *extra: str) -> list[str]:
+@pytest.fixture()
+def env_file(tmp_path: Path) -> Path:
+    path = tmp_path / "run.env"
+    path.write_text("TOTAL_STEPS=2000\n")  # a run the trainer accepts under the $35 cap
+    return path
+
+
+def launch_args(fake: FakeBilling, ssh_key: Path, env_file: Path, *extra: str) -> list[str]:
     return ["launch", "--provider", fake.provider, "--api-url", fake.url, "--ssh-key", str(ssh_key),
-            "--ssh-key-name", "laptop", "--yes", *extra]
+            "--ssh-key-name", "laptop", "--env-file", str(env_file), "--yes", *extra]
 
 
-def test_price_over_the_ceiling_is_refused_and_nothing_is_launched(fake, ssh_key, tmp_path):
+def test_price_over_the_ceiling_is_refused_and_nothing_is_launched(fake, ssh_key, env_file, tmp_path):
     fake.control(price_usd_per_hr=2.50)
-    proc = x1(*launch_args(fake, ssh_key, "--max-price-usd-per-hr", "1.40"), key=KEY, provider=fake.provider,
+    proc = x1(*launch_args(fake, ssh_key, env_file, "--max-price-usd-per-hr", "1.40"), key=KEY, provider=fake.provider,
               state=tmp_path / "state")
     assert proc.returncode == 78, proc.stdout + proc.stderr
-    # RunPod: a created pod bills at the community on-demand price, which the fake puts at 1.4x spot.
-    price = 2.50 if fake.provider == "lambda" else 3.50
-    assert f"${price:.2f}/h is over the max $1.40/h" in proc.stdout
+    # RunPod: the interruptible market, as plan plans it: the community spot price, the fake's own.
+    assert "$2.50/h is over the max $1.40/h" in proc.stdout
     assert "nothing was rented" in proc.stdout
     state = fake.state()
     assert state["launch_calls"] == [] and state.get("create_calls", []) == []
@@ -72,21 +80,36 @@ def test_price_over_the_ceiling_is_refused_and_nothing_is_launched(fake, ssh_key
     assert not (tmp_path / "state" / "instances").exists()
 
 
-def test_a_projection_over_the_budget_is_refused_after_the_sentence(fake, ssh_key, tmp_path):
-    env_file = tmp_path / "x.env"
-    env_file.write_text("BUDGET_CAP_USD=20\nPLANNED_HOURS=24\n")
-    proc = x1(*launch_args(fake, ssh_key, "--env-file", str(env_file), "--max-price-usd-per-hr", "2"), key=KEY, provider=fake.provider,
-              state=tmp_path / "state")
-    assert proc.returncode == 78, proc.stdout + proc.stderr
-    price = 1.10 if fake.provider == "lambda" else 1.54
-    assert (f"at ${price:.2f}/h, run ~24 h including setup = ${price * 24:.2f}. Budget: $20. "
-            f"Over the budget by ${price * 24 - 20:.2f}: not launched.") in proc.stdout
+@pytest.mark.parametrize("budget", ["35", "20"])
+def test_the_pre_launch_sentence_is_plans_numbers_for_the_envs_steps(fake, ssh_key, tmp_path, budget):
+    """`x1 plan --write-env` then `x1 launch`: the launch prices the .env's TOTAL_STEPS at plan's
+    speed for the GPU it rents, so its hours and dollars are the plan's, whatever binds."""
+    env_file = tmp_path / ".env"
+    shutil.copy(REPO / ".env.example", env_file)
+    gpu = "a100-40gb" if fake.provider == "lambda" else "a100-80gb"  # what each rents (its type's own memory)
+    market = [] if fake.provider == "lambda" else ["--market", "interruptible"]
+    plan = subprocess.run([X1, "plan", "--config", "configs/x1-50m-a100.yaml", "--gpu", gpu, "--provider",
+                           fake.provider, *market, "--price-usd-per-hr", "1.10", "--budget-usd", budget,
+                           "--write-env", str(env_file), "--json"], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    if float(budget) < 30:  # the alert line must stay under the cap (the trainer refuses it otherwise)
+        env_file.write_text(env_file.read_text().replace("BUDGET_ALERT_USD=30", "BUDGET_ALERT_USD=15"))
+    args = [a for a in launch_args(fake, ssh_key, env_file) if a != "--yes"]
+    proc = x1(*args, key=KEY, provider=fake.provider, state=tmp_path / "state")
+    # No terminal to confirm on: refused after the sentence, before anything is rented.
+    assert proc.returncode == 2 and "no terminal to ask for confirmation" in proc.stderr, proc.stdout + proc.stderr
+    steps = planned["proposed_total_steps"]
+    assert (f"run ~{planned['proposed_hours']:.1f} h including setup = ${planned['cost_usd']:.2f} "
+            f"({steps:,} steps of .env's TOTAL_STEPS") in proc.stdout, proc.stdout
+    assert f"Budget: ${budget}. Confirmed acceptable, ${float(budget) - planned['cost_usd']:.2f} buffer." in proc.stdout
     assert fake.state()["launch_calls"] == [] and fake.state().get("create_calls", []) == []
 
 
-def test_a_wrong_api_key_is_a_clear_error_that_never_shows_the_key(fake, ssh_key, tmp_path):
+def test_a_wrong_api_key_is_a_clear_error_that_never_shows_the_key(fake, ssh_key, env_file, tmp_path):
     wrong = "wrong-key-SECRET-77aa19"
-    proc = x1(*launch_args(fake, ssh_key), key=wrong, provider=fake.provider, state=tmp_path / "state")
+    proc = x1(*launch_args(fake, ssh_key, env_file), key=wrong, provider=fake.provider, state=tmp_path / "state")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     var = f"{fake.provider.upper()}_API_KEY"
     assert f"refused the key in {var}" in proc.stderr
@@ -107,9 +130,9 @@ def test_a_wrong_api_key_is_a_clear_error_that_never_shows_the_key(fake, ssh_key
     assert fake.state()["terminate_calls"] == []
 
 
-def test_a_missing_api_key_names_the_variable(ssh_key, tmp_path):
-    proc = x1("launch", "--provider", "runpod", "--ssh-key", str(ssh_key), "--yes", key=None, provider="runpod",
-              state=tmp_path / "state")
+def test_a_missing_api_key_names_the_variable(ssh_key, env_file, tmp_path):
+    proc = x1("launch", "--provider", "runpod", "--ssh-key", str(ssh_key), "--env-file", str(env_file), "--yes",
+              key=None, provider="runpod", state=tmp_path / "state")
     assert proc.returncode == 2
     assert "RUNPOD_API_KEY is not set" in proc.stderr
 

@@ -217,7 +217,7 @@ def test_runpod_statuses_are_normalized(raw: str, reason: str, status: str) -> N
     assert parse_runpod_pod(pod).status == status
 
 
-@pytest.mark.parametrize("raw, status", [("active", "running"), ("booting", "booting"), ("terminating", "terminated"),
+@pytest.mark.parametrize("raw, status", [("active", "running"), ("booting", "booting"), ("terminating", "terminating"),
                                          ("preempted", "preempted"), ("unhealthy", "unhealthy"), ("weird", "unknown")])
 def test_lambda_statuses_are_normalized(raw: str, status: str) -> None:
     assert parse_lambda_instance({"id": "i", "status": raw}).status == status
@@ -260,3 +260,48 @@ def test_lambda_ssh_address_is_the_ip_of_a_running_instance(lambda_fake: FakeBil
     time.sleep(0.7)
     assert ssh_address(client.get_instance(new_id)) == ("192.0.2.10", 22)
     client.terminate(new_id)
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_a_404_page_that_is_not_the_apis_own_answer_is_never_not_found(provider, lambda_fake, runpod_fake) -> None:
+    fake = lambda_fake if provider == "lambda" else runpod_fake
+    client = fast(make_client(provider, fake.url, KEY, timeout=5.0, retries=0))
+    instance_id = "i-main" if provider == "lambda" else "pod-main"
+    fake.control(fault={"mode": "404-html", "on": "get"})
+    try:
+        with pytest.raises(ProviderError) as e:
+            client.get_instance(instance_id)
+        assert e.value.kind == "server" and e.value.api_error is None and e.value.unclear
+        assert f"not the {provider} API's own answer (text/html" in str(e.value)
+    finally:
+        fake.control(fault=None)
+    with pytest.raises(ProviderError) as e:  # the API's own: its error shape, kept for the record
+        client.get_instance("no-such-id")
+    assert e.value.kind == "not-found" and not e.value.unclear
+    if provider == "lambda":
+        assert e.value.api_error["code"] == "global/object-does-not-exist"
+    else:
+        assert "not found" in str(e.value.api_error).lower()
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_the_accounts_instances_are_listed_with_the_names_x1_gave_them(provider, lambda_fake, runpod_fake) -> None:
+    fake = lambda_fake if provider == "lambda" else runpod_fake
+    client = fast(make_client(provider, fake.url, KEY, timeout=5.0))
+    if provider == "lambda":
+        new_id = client.launch("gpu_1x_a100_sxm4", "us-east-1", name="x1-listed")
+    else:
+        new_id = client.create("NVIDIA A100 80GB PCIe", "img", name="x1-listed", cloud_type="COMMUNITY",
+                               bid_per_gpu=1.10, min_cuda_version="13.0").id
+    listed = {i.id: i.raw.get("name") for i in client.list_instances()}
+    assert listed[new_id] == "x1-listed"
+    client.terminate(new_id)
+    assert new_id not in {i.id for i in client.list_instances()}  # a terminated one is not listed as running
+
+
+def test_the_providers_own_description_of_a_gpu_names_its_memory(lambda_fake, runpod_fake) -> None:
+    lam = fast(make_client("lambda", lambda_fake.url, KEY, timeout=5.0)).instance_types()
+    assert lam["gpu_1x_a100_sxm4"].gpu_description == "A100 (40 GB SXM4)" and lam["gpu_1x_a100_sxm4"].memory_gb == 40
+    assert lam["gpu_1x_a100_sxm4"].gpus == 1 and lam["gpu_8x_a100_80gb_sxm4"].gpus == 8
+    pods = make_client("runpod", runpod_fake.url, KEY, timeout=5.0).gpu_offers("communitySpotPrice")
+    assert pods["NVIDIA A100 80GB PCIe"].memory_gb == 80 and pods["NVIDIA A100 80GB PCIe"].price_usd_per_hr == 1.10

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from money import assert_fake_holds_nothing_unrecorded
 from prometheus_client.parser import text_string_to_metric_families
 
 from budget_sidecar.app import create_app
@@ -571,3 +572,78 @@ def test_a_lost_ledger_falls_back_on_the_published_budget_json(tmp_path: Path) -
     clock.t += 60
     second.poll_once()
     assert second.snapshot().document["spent_usd"] >= published == pytest.approx(2.0)
+
+
+# --- a price only from the instance itself ---------------------------------------------------
+
+
+class HandClock:
+    def __init__(self) -> None:
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_a_price_comes_only_from_the_instances_own_record_and_spend_never_looks_lower(tmp_path: Path, provider: str):
+    """Lambda's record for the same id under another type name at a price 100x lower (cents read as
+    dollars) is suspect; a record of another id (an A10 at 75 cents) is a bad answer: both counted at
+    the last trusted price and marked stale, with the reason in rate_note."""
+    from x1_common.providers import make_client
+
+    scale = 1.0 if provider == "lambda" else 18000.0  # RunPod bills the pod's own uptime: 1 wall second = 5 h
+    fake = FakeBilling.start(tmp_path / "logs", provider=provider, instance_id="inst-1", api_key=KEY,
+                             price_usd_per_hr=1.10, time_scale=scale)
+    try:
+        clock = HandClock() if provider == "lambda" else time.time
+        settings = SidecarSettings(provider=provider, instance_id="inst-1", api_url=fake.url, port=0,
+                                   output=tmp_path / "budget.json", time_scale=scale)
+        poller = Poller(settings, make_client(provider, fake.url, KEY, timeout=5.0, retries=0), clock)
+
+        def five_hours() -> None:
+            if isinstance(clock, HandClock):
+                clock.t += 5 * 3600
+            else:
+                time.sleep(1.0)
+
+        def budget() -> dict:
+            return json.loads((tmp_path / "budget.json").read_text())
+
+        poller.poll_once()
+        first = budget()
+        assert first["rate_usd_per_hr"] == 1.10 and not first["stale"]
+        renamed = "gpu_1x_a100_sxm4_v2" if provider == "lambda" else "A100 PCIe (renamed)"
+        fake.control(misreport={"instance_id": "inst-1", "instance_type": renamed, "price_usd_per_hr": 0.011})
+        five_hours()
+        poller.poll_once()
+        bill = fake.state()["instances"]["inst-1"]["billed_usd"]
+        doc = budget()
+        assert doc["stale"] and doc["rate_usd_per_hr"] == 1.10, doc
+        assert f"under another instance type ({renamed})" in doc["rate_note"]
+        assert "a running instance does not change type" in doc["rate_note"]
+        if provider == "lambda":
+            assert doc["spent_usd"] == pytest.approx(5.50, rel=1e-3)  # not $0.055
+        else:
+            assert doc["spent_usd"] >= 0.9 * bill and doc["spent_usd"] > 4.0, (doc, bill)
+
+        fake.control(misreport={"instance_id": "inst-1", "id": "other-9", "instance_type": "gpu_1x_a10",
+                                "price_usd_per_hr": 0.75})
+        before = doc["spent_usd"]
+        five_hours()
+        poller.poll_once()
+        doc = budget()
+        assert doc["stale"] and doc["rate_usd_per_hr"] == 1.10, doc
+        assert "the provider answered with the record of other-9" in doc["rate_note"]
+        assert doc["spent_usd"] >= before + (5.5 if provider == "lambda" else 0.0) - 1e-6
+        assert doc["instance_type"] != "gpu_1x_a10"
+
+        fake.control(misreport=None)  # its own record again: trusted, not stale
+        poller.poll_once()
+        doc = budget()
+        assert not doc["stale"] and doc["rate_usd_per_hr"] == 1.10 and "rate_note" not in doc
+        assert doc["spent_usd"] >= before
+        fake.control(terminate=True)  # the run's end
+        assert_fake_holds_nothing_unrecorded(fake)
+    finally:
+        fake.stop()

@@ -11,6 +11,7 @@ Before it, bad input: exit 2 naming the problem, nothing started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -229,6 +231,69 @@ def test_trainer_that_cannot_start_is_stopped_after_two_launches_and_status_show
         assert [e["event"] for e in workspace.read_events(ws)] == kinds  # no third launch
         assert workspace.trainer_pid(ws) is None
     finally:
+        stack("down", "--workspace", str(ws.root))
+
+
+@pytest.mark.slow
+def test_a_hangup_leaves_a_foreground_stack_running_and_status_tells_the_truth_after_its_runner_dies(
+        tmp_path, tiny_data):
+    """An SSH session that drops sends SIGHUP to a foreground `up`: the stack keeps running (the run
+    goes on training) and `status` says so. Even a runner killed outright (SIGKILL: no handler runs)
+    leaves nothing unseen: `status` names each process still running, the trainer included, and
+    `down` stops them in order, the trainer first with its checkpoint."""
+    ws = workspace.Workspace(tmp_path / "ws")
+    shutil.copytree(tiny_data, ws.tokenized)
+    env_file = write_env(tmp_path / ".env", **tiny_settings(TOTAL_STEPS="5000", CKPT_EVERY="1000"))
+    master, terminal = os.openpty()  # `up` in the foreground of a terminal, as over SSH
+    proc = subprocess.Popen([sys.executable, "-m", "x1_pretrain.stack", "up", "--env-file", str(env_file),
+                             "--workspace", str(ws.root), "--no-prometheus"],
+                            stdin=terminal, stdout=terminal, stderr=terminal, cwd=workspace.REPO,
+                            env=cli_env(OMP_NUM_THREADS="1"), start_new_session=True)
+    os.close(terminal)
+    shown: list[bytes] = []
+
+    def read_terminal() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 65536):
+                shown.append(chunk)
+
+    threading.Thread(target=read_terminal, daemon=True).start()
+    live = Live(ws.root, env_file, {})
+    try:
+        live.wait_training_past(2, timeout=300)
+        os.close(master)  # the session drops: the terminal is gone ...
+        proc.send_signal(signal.SIGHUP)  # ... and its process gets SIGHUP
+        wait_for(lambda: "SIGHUP: the terminal is gone; the stack keeps running" in ws.log("stack").read_text(), 30,
+                 "the runner's line about the hangup")
+        time.sleep(2)
+        assert proc.poll() is None  # the runner is still there, supervising
+        st = live.status()
+        assert st["running"] and st["orphaned"] == [] and st["trainer"]["running"], st
+        assert all(svc["running"] and svc["health"] == "healthy" for svc in st["services"].values()), st["services"]
+        step = live.step()
+        live.wait_training_past(step + 2)  # training goes on
+
+        proc.kill()  # now the runner dies with no chance to clean up
+        proc.wait(30)
+        trainer = workspace.trainer_pid(ws)
+        status = stack("status", "--workspace", str(ws.root), timeout=60)
+        assert status.returncode == 1, status.stdout + status.stderr
+        assert "its runner is gone, but mlflow-server, budget-sidecar, watchdog, trainer still run" in status.stdout
+        assert re.search(rf"trainer\s+pid {trainer}: step \d+/5000 \(training", status.stdout), status.stdout
+        assert "not running" not in status.stdout
+        assert set(live.status()["orphaned"]) == {"mlflow-server", "budget-sidecar", "watchdog", "trainer"}
+
+        left = live.processes()
+        down = stack("down", "--workspace", str(ws.root))
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "the runner was gone; stopped what it left running: watchdog (pid" in down.stdout
+        assert "trainer: exit 75 (stop requested, not relaunched)" in down.stdout
+        preempted = int(re.findall(r"preempted at step (\d+): checkpoint", live.trainer_log())[-1])
+        assert (ws.checkpoints / "latest").read_text().strip() == f"step_{preempted:08d}"
+        assert all(L.proc_start_ticks(pid) is None for pid in [*left.values(), trainer] if pid != left["runner"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
         stack("down", "--workspace", str(ws.root))
 
 

@@ -571,11 +571,15 @@ def test_the_startup_grace_covers_start_up_only_not_a_trainer_already_in_its_loo
     from x1_watchdog.policy import StallDetector
 
     hb = tmp_path / "heartbeat.json"
-    detector = StallDetector(hb, stall_seconds=10, startup_grace_seconds=600)
+    clock = [1000.0]
+    detector = StallDetector(hb, stall_seconds=10, startup_grace_seconds=600, clock=lambda: clock[0])
     detector.arm(started_at=1000.0)
     hb.write_text(json.dumps({"step": 0, "time": 1001.0, "pid": 1, "phase": "compiling"}))
-    assert detector.check(now=1300.0) is None  # compiling for 5 min: inside the grace
+    clock[0] = 1300.0
+    assert detector.check() is None  # compiling for 5 min: inside the grace
     hb.write_text(json.dumps({"step": 40, "time": 1310.0, "pid": 1, "phase": "training"}))
-    assert detector.check(now=1315.0) is None
-    stalled = detector.check(now=1340.0)  # 30 s without a beat, 5.7 min after start
+    clock[0] = 1315.0
+    assert detector.check() is None
+    clock[0] = 1340.0
+    stalled = detector.check()  # 25 s without a new beat, 5.7 min after start
     assert stalled is not None and "step 40" in stalled

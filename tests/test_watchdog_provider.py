@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from money import assert_fake_holds_nothing_unrecorded
 from test_watchdog import Workdir, read_jsonl, scrape, wait_until
 
 from budget_sidecar.testing import FakeBilling
 from conftest import REPO, cli_env, free_port
+from x1_pretrain.run import dod
 
 API_KEY = "fake-billing-key-5c1e7a"
 KEY_ENV = {"lambda": "LAMBDA_API_KEY", "runpod": "RUNPOD_API_KEY"}
@@ -103,17 +105,75 @@ def test_failed_terminate_is_alerted_and_retried_by_a_restarted_watchdog(wd: Wor
     fake = fakes("lambda", "inst-1")
     fake.control(fail_mode="500")
     opts = ["--terminate-on-finish", "--provider", "lambda", "--api-url", fake.url, "--instance-id", "inst-1",
-            "--termination-file", str(wd.root / "termination.json")]
-    assert wd.run(["--steps", "0"], *opts, env=provider_env("lambda")) == 0, wd.log()
+            "--termination-file", str(wd.root / "termination.json"), "--terminate-confirm-seconds", "2"]
+    assert wd.run(["--steps", "0"], *opts, env=provider_env("lambda")) == 82, wd.log()
     assert wd.events[-1]["event"] == "terminate" and wd.events[-1]["ok"] is False
-    assert "ALERT" in wd.log() and "still billing" in wd.log()
-    assert not (wd.root / "termination.json").exists()
+    assert "ALERT" in wd.log() and "STILL BILLING" in wd.log() and "x1 down --provider lambda --instance inst-1" in wd.log()
+    record = json.loads((wd.root / "termination.json").read_text())
+    assert record["confirmed"] is False and record["state"] == "terminate sent, still billing"
+    assert wd.state["final"]["terminated"] is False
+    assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
 
     fake.control(fail_mode="none")
     assert wd.run(["--steps", "0"], *opts, env=provider_env("lambda")) == 0, wd.log()
     assert fake.state()["instances"]["inst-1"]["status"] == "terminated"
-    assert json.loads((wd.root / "termination.json").read_text())["instance_id"] == "inst-1"
+    record = json.loads((wd.root / "termination.json").read_text())
+    assert record["instance_id"] == "inst-1" and record["confirmed"] is True
     assert len(wd.starts) == 1  # the finished run was not relaunched to get there
+    assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_a_terminate_answered_ok_that_leaves_the_instance_running_is_still_billing(
+    wd: Workdir, fakes: Callable[..., FakeBilling], provider: str, tmp_path: Path
+):
+    fake = fakes(provider, "inst-1")
+    fake.control(terminate_effect={"mode": "ignore"})  # podTerminate / terminate answer ok; it runs on
+    termination = wd.root / "logs" / "termination.json"
+    opts = ["--terminate-on-finish", "--provider", provider, "--api-url", fake.url, "--instance-id", "inst-1",
+            "--termination-file", str(termination), "--terminate-confirm-seconds", "2"]
+    assert wd.run(["--steps", "0"], *opts, env=provider_env(provider)) == 82, wd.log()
+    assert len(fake.state()["terminate_calls"]) >= 2  # sent again while it was listed running
+    assert fake.state()["instances"]["inst-1"]["billing"]
+    record = json.loads(termination.read_text())
+    assert record["confirmed"] is False and record["state"] == "terminate sent, still billing"
+    assert record["instance_after"]["raw_status"] == ("active" if provider == "lambda" else "RUNNING")
+    assert wd.events[-1]["event"] == "terminate" and wd.events[-1]["ok"] is False
+    assert wd.state["final"]["terminated"] is False
+    assert wd.state["final"]["termination_state"] == "terminate sent, still billing"
+    assert "instance inst-1 STILL BILLING" in wd.log() and "instance inst-1 terminated" not in wd.log()
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "termination.json").write_text(termination.read_text())
+    assert not dod.check_termination(folder).ok  # the answer "ok" alone never proves it
+    assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
+
+    # A restarted watchdog reads it back and sends again; the provider ends it asynchronously.
+    fake.control(terminate_effect={"mode": "async", "delay_s": 1})
+    assert wd.run(["--steps", "0"], *opts[:-2], "--terminate-confirm-seconds", "30", env=provider_env(provider)) == 0
+    assert "a terminate was sent before" in wd.log()
+    record = json.loads(termination.read_text())
+    assert record["confirmed"] is True and record["instance_after"]["raw_status"] == TERMINATED[provider]
+    assert wd.state["final"]["terminated"] is True and len(wd.starts) == 1
+    (folder / "termination.json").write_text(termination.read_text())
+    assert dod.check_termination(folder).ok
+    assert_fake_holds_nothing_unrecorded(fake, {"inst-1": record})
+
+
+@pytest.mark.parametrize("provider", ["lambda", "runpod"])
+def test_provider_mode_takes_a_proxys_404_page_for_an_outage_not_for_the_end(
+    wd: Workdir, fakes: Callable[..., FakeBilling], provider: str
+):
+    fake = fakes(provider, "inst-1")
+    keeper = Keeper(wd, provider, fake, "inst-1")
+    wait_until(lambda: keeper.events("start"), 30, "the instance seen running")
+    fake.control(fault={"mode": "404-html", "on": "get"})
+    wait_until(lambda: "poll 1 failed" in keeper.log(), 60, "a failed poll")
+    assert keeper.proc.poll() is None, keeper.log()  # not "gone": still watching
+    assert keeper.events("exit") == [] and "not the" in keeper.log()
+    fake.control(fault=None, terminate=True)
+    assert keeper.proc.wait(30) == 0, keeper.log()
+    assert_fake_holds_nothing_unrecorded(fake)
 
 
 def instance_volume_with_a_run_folder(root: Path) -> Path:

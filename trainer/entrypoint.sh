@@ -10,6 +10,11 @@
 #                       a node waits for the others to (re)join before it exits 1
 #   X1_TRAIN_EXTRA_ARGS appended to ARGS, split on spaces ("--inject-spike-at-step 12000")
 #   X1_PYTHON           the interpreter (default: python on PATH; the process runner gives its own)
+#   X1_LADDER=1         the scaling ladder first (.env's LADDER): `python -m x1_pretrain.ladder step --dir
+#                       X1_LADDER_DIR -- ARGS` trains its rungs (the share X1_LADDER_SHARE of the main run's
+#                       hours) and fits DIR/ladder.json; the trainer then runs with --ladder DIR/ladder.json.
+#                       The step speaks the trainer's exit codes, so the watchdog supervises it the same way
+#                       (a preempted ladder resumes; 78 when it would take the run over its cap)
 #   a final decision in the watchdog's state file: no training, exit with its code
 #
 # The trainer's exit code is what the watchdog acts on (75 relaunch, 76/77 budget stop, 0 done,
@@ -56,6 +61,18 @@ fi
 extra=()
 if [[ -n "${X1_TRAIN_EXTRA_ARGS:-}" ]]; then
   read -r -a extra <<< "$X1_TRAIN_EXTRA_ARGS"
+fi
+
+if [[ "${X1_LADDER:-0}" == 1 ]]; then
+  ladder_dir="${X1_LADDER_DIR:-/workspace/ladder}"
+  # Done once: a folder that holds ladder.json returns at once. Its exit code is the watchdog's to act on.
+  "${X1_PYTHON:-python}" -m x1_pretrain.ladder step --dir "$ladder_dir" --share "${X1_LADDER_SHARE:-0.05}" \
+    -- "$@" "${extra[@]}" || exit $?
+  if [[ -f "$ladder_dir/ladder.json" ]]; then
+    extra+=(--ladder "$ladder_dir/ladder.json")
+  else
+    echo "x1-train: the ladder in $ladder_dir has no ladder.json (too few rungs for a fit: its log says why); the run keeps the band it is given" >&2
+  fi
 fi
 
 nnodes="${NNODES:-1}"

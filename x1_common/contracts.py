@@ -23,6 +23,10 @@ from typing import Any
 
 class ExitCode(IntEnum):
     FINISHED = 0  # total steps reached, final artifacts written
+    # The environment failed, not the input: a disk that refuses a write (full, over quota,
+    # read-only), said in one line naming the path and the free space (x1_common.fsutil.disk_fault).
+    # Every command's code for it; to the watchdog a crash like any other (relaunch with backoff).
+    ENVIRONMENT = 1
     USAGE = 2  # bad config / usage / data: a person must fix something
     PREEMPTED = 75  # SIGTERM/SIGINT: emergency checkpoint written, relaunch
     BUDGET_PROJECTED = 76  # projected total > cap: clean checkpoint, stop
@@ -34,7 +38,18 @@ class ExitCode(IntEnum):
     # error before completing its first step (a broken image, an incompatible torch, a bad
     # driver). Relaunching would only pay for the same start-up again: stop, alert.
     STARTUP_FAILED = 81
+    # The watchdog's, never the trainer's own: --terminate-on-finish sent the terminate, and after
+    # --terminate-confirm-seconds of reading back and sending again the provider still lists the
+    # instance as not terminated. It is still billing: alerted, recorded, and a restarted watchdog
+    # tries again.
+    TERMINATE_UNCONFIRMED = 82
 
+
+# The provider's own word for an instance that has ended, as its records show it, and Lambda's
+# error code for an id it does not know (its error shape: {"error": {"code", "message"}}). Only
+# these, read back after a terminate, prove an instance terminated (dod's check 6).
+TERMINATED_RAW_STATUS = {"lambda": "terminated", "runpod": "TERMINATED"}
+LAMBDA_NOT_FOUND_CODE = "global/object-does-not-exist"
 
 # Codes after which nobody relaunches the trainer. Anything else (75, a crash, a kill) relaunches.
 FINAL_EXIT_CODES = frozenset(
@@ -53,6 +68,7 @@ FINAL_EXIT_CODES = frozenset(
 # The manifest's `end` field and the watchdog's events speak these words.
 END_REASONS = {
     ExitCode.FINISHED: "finished",
+    ExitCode.ENVIRONMENT: "crashed",  # exit 1 is also any uncaught error's: the watchdog cannot tell them apart
     ExitCode.USAGE: "bad-config",
     ExitCode.PREEMPTED: "preempted",
     ExitCode.BUDGET_PROJECTED: "budget-stop",
@@ -332,7 +348,8 @@ def read_budget_file(path: str | os.PathLike[str]) -> BudgetReading:
 
 # --------------------------------------------------------------------------------------------
 # Heartbeat (trainer → watchdog): {"step", "time", "pid", "phase"} (+ "signal_time" once stopped by
-# SIGTERM), rewritten atomically.
+# SIGTERM), rewritten atomically. Also "mono" (and "signal_mono"): the same moments on the monotonic
+# clock, which every process of one boot ("boot_id") shares and no step of the wall clock moves.
 
 # The phases the trainer writes (train/), which the watchdog's policy and compose's healthcheck read.
 PHASE_STARTUP = "startup"  # imports, data checks, the model built: before the first step
@@ -353,6 +370,9 @@ class Heartbeat:
     pid: int
     phase: str
     signal_time: float | None = None  # phase "stopped" after a SIGTERM: when it came (a restart's downtime)
+    mono: float | None = None  # `time` on the monotonic clock of boot `boot_id`
+    signal_mono: float | None = None  # `signal_time` on it
+    boot_id: str | None = None
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Heartbeat | None:
@@ -368,7 +388,20 @@ class Heartbeat:
         step, pid, when, phase = d.get("step"), d.get("pid"), finite_number(d.get("time")), d.get("phase")
         if not (_plain_int(step) and _plain_int(pid) and when is not None and isinstance(phase, str)):
             return None
-        return cls(step=step, time=when, pid=pid, phase=phase, signal_time=finite_number(d.get("signal_time")))
+        boot = d.get("boot_id")
+        return cls(step=step, time=when, pid=pid, phase=phase, signal_time=finite_number(d.get("signal_time")),
+                   mono=finite_number(d.get("mono")), signal_mono=finite_number(d.get("signal_mono")),
+                   boot_id=boot if isinstance(boot, str) else None)
+
+
+def boot_id() -> str | None:
+    """This kernel's boot id: shared by every process and container of the host, new after each
+    reboot. Two monotonic times compare only under one boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _plain_int(v: Any) -> bool:
@@ -407,6 +440,8 @@ M_TRAIN_ETA = "x1_train_eta_seconds"  # wall seconds the steps left need at the 
 M_TRAIN_RESTARTS = "x1_train_restarts"  # resumed starts of this run (preemptions, crashes, re-plans)
 M_CHECKPOINT_LAST_STEP = "x1_checkpoint_last_step"
 M_CHECKPOINT_SAVE_SECONDS = "x1_checkpoint_save_seconds"
+M_TRAIN_WRITE_FAILING = "x1_train_write_failing"  # 1 while its heartbeat or metrics spool cannot be written
+M_TRAIN_WRITE_ERROR = "x1_train_write_error"  # info: x1_train_write_error_info{error}: the path and the cause
 
 # Budget sidecar, Prometheus (port 9792)
 M_BUDGET_SPENT = "x1_budget_spent_usd"
@@ -418,14 +453,17 @@ M_BUDGET_POLL_FAILURES = "x1_budget_poll_failures"  # counter: x1_budget_poll_fa
 M_BUDGET_STALE = "x1_budget_stale"
 M_BUDGET_ALERT = "x1_budget_alert_usd"  # the alert line (docs/DESIGN.md §6: $30)
 M_BUDGET_PLANNED_HOURS = "x1_budget_planned_hours"  # 0: none, the sidecar's projection is the spend so far
+M_BUDGET_WRITE_FAILING = "x1_budget_write_failing"  # 1 while budget.json or its ledger cannot be written
 
 # Watchdog, Prometheus (port 9793)
 M_WATCHDOG_RESTARTS = "x1_watchdog_restarts"  # counter with label reason: x1_watchdog_restarts_total
 M_WATCHDOG_TRAINER_UP = "x1_watchdog_trainer_up"
 M_WATCHDOG_DOWNTIME = "x1_watchdog_downtime_seconds"  # counter: x1_watchdog_downtime_seconds_total
-M_WATCHDOG_HEALTHY = "x1_watchdog_healthy"  # 0 while it cannot reach its trainer (docker mode: the Engine API)
+M_WATCHDOG_HEALTHY = "x1_watchdog_healthy"  # 0 while it cannot reach its trainer (docker: the Engine API) or write its files
 M_WATCHDOG_LAST_DECISION = "x1_watchdog_last_decision"  # info: x1_watchdog_last_decision_info{event,exit_code,reason,time}
 M_WATCHDOG_DOCKER_ENGINE = "x1_watchdog_docker_engine"  # info: x1_watchdog_docker_engine_info{api_version,...}
+M_WATCHDOG_WRITE_FAILING = "x1_watchdog_write_failing"  # 1 while its state or events file cannot be written
+M_WATCHDOG_WRITE_ERROR = "x1_watchdog_write_error"  # info: x1_watchdog_write_error_info{error}: the path and the cause
 
 # Counters: prometheus_client exports them with a `_total` suffix.
 COUNTER_METRICS = frozenset({M_TRAIN_TOKENS, M_BUDGET_POLL_FAILURES, M_WATCHDOG_RESTARTS, M_WATCHDOG_DOWNTIME})

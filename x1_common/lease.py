@@ -87,6 +87,7 @@ class LeaseKind(enum.Enum):
     STACK = ("stack", "workspace")
     BUDGET_SIDECAR = ("budget sidecar", "budget file")
     WATCHDOG = ("watchdog", "state file")
+    LADDER = ("ladder", "ladder folder")
 
     @property
     def owner_word(self) -> str:

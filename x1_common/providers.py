@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from x1_common.contracts import LAMBDA_NOT_FOUND_CODE
 
 log = logging.getLogger("x1.providers")
 
@@ -35,15 +38,16 @@ PROVIDERS = ("lambda", "runpod")
 API_KEY_ENV = {"lambda": "LAMBDA_API_KEY", "runpod": "RUNPOD_API_KEY"}
 
 # Normalized instance states, the same words for both clouds.
-STATUSES = ("running", "booting", "preempted", "terminated", "stopped", "unhealthy", "unknown")
-# States in which the provider bills the GPU by the hour.
-BILLING_STATUSES = frozenset({"running", "booting", "unhealthy", "unknown"})
+STATUSES = ("running", "booting", "preempted", "terminating", "terminated", "stopped", "unhealthy", "unknown")
+# States in which the provider bills (or may bill) the GPU by the hour. "terminating" is Lambda's
+# word for a terminate under way: the instance is not gone until the provider says "terminated".
+BILLING_STATUSES = frozenset({"running", "booting", "unhealthy", "terminating", "unknown"})
 
 _LAMBDA_STATUS = {
     "active": "running",
     "booting": "booting",
     "unhealthy": "unhealthy",
-    "terminating": "terminated",
+    "terminating": "terminating",
     "terminated": "terminated",
     "preempted": "preempted",
 }
@@ -53,19 +57,31 @@ class ProviderError(Exception):
     """A provider call that did not give a usable answer. Never contains the API key.
 
     `kind` is one of: auth, not-found, bad-request, rate-limit, server, timeout, network, garbage.
+    "not-found" is only ever the API's own answer, recognized by the provider's error shape
+    (Lambda's {"error": {"code": "global/object-does-not-exist", ...}}, RunPod's GraphQL errors or
+    a null pod): a 404 page from a proxy or a load balancer is "server", an answer that says nothing.
+    `api_error` keeps that answer's error object (never the key) for records that must show it.
     """
 
     def __init__(
-        self, message: str, *, kind: str, status_code: int | None = None, retry_after: float | None = None
+        self, message: str, *, kind: str, status_code: int | None = None, retry_after: float | None = None,
+        api_error: Any = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.status_code = status_code
         self.retry_after = retry_after  # seconds, from a 429's Retry-After header
+        self.api_error = api_error
 
     @property
     def retryable(self) -> bool:
         return self.kind in ("rate-limit", "server", "timeout", "network")
+
+    @property
+    def unclear(self) -> bool:
+        """After such an error a request that changes something may or may not have taken effect
+        (the answer was lost, cut short, or not the API's): look before assuming either."""
+        return self.kind in ("server", "timeout", "network", "garbage")
 
 
 @dataclass(frozen=True)
@@ -177,14 +193,25 @@ class _HttpClient:
         except ValueError:
             data = None
         if resp.status_code >= 400:
+            api_error = self._api_error(data)
             kind = {401: "auth", 403: "auth", 404: "not-found", 429: "rate-limit"}.get(
                 resp.status_code, "server" if resp.status_code >= 500 else "bad-request"
             )
+            what = self._scrub(self._error_text(data, resp))
+            if api_error is None:  # a page of something in between: one line of it
+                what = " ".join(what.split())[:200]
+            if kind == "not-found" and not self._is_not_found(api_error):
+                # Not the API's own "no such thing": a proxy's page, a wrong route. It says nothing
+                # about the instance, so it must never read as "gone".
+                kind = "server"
+                what = (f"not the {self.provider} API's own answer ({resp.headers.get('content-type', 'no content-type')}): "
+                        + what[:160])
             raise ProviderError(
-                f"{self.provider}: {method} {path} -> HTTP {resp.status_code}: {self._scrub(self._error_text(data, resp))}",
+                f"{self.provider}: {method} {path} -> HTTP {resp.status_code}: {what}",
                 kind=kind,
                 status_code=resp.status_code,
                 retry_after=_number(resp.headers.get("Retry-After")),
+                api_error=api_error,
             )
         if data is None:
             raise ProviderError(
@@ -197,6 +224,14 @@ class _HttpClient:
 
     def _error_text(self, data: Any, resp: httpx.Response) -> str:
         return resp.text[:200]
+
+    def _api_error(self, data: Any) -> Any:
+        """The error object in the provider's own shape, or None when the body is not one."""
+        return None
+
+    def _is_not_found(self, api_error: Any) -> bool:
+        """True when `api_error` is the API's own "no such object"."""
+        return False
 
     def _request(self, method: str, path: str, body: Any | None = None, *, idempotent: bool = True) -> Any:
         """One call, retried on 429 always and on 5xx / timeouts / network errors when `idempotent`."""
@@ -231,6 +266,15 @@ class LambdaClient(_HttpClient):
             return f"{e.get('code', '?')}: {e.get('message', '')}"
         return resp.text[:200]
 
+    def _api_error(self, data: Any) -> Any:
+        e = data.get("error") if isinstance(data, dict) else None
+        if isinstance(e, dict) and isinstance(e.get("code"), str):
+            return {k: e[k] for k in ("code", "message", "suggestion") if isinstance(e.get(k), str)}
+        return None
+
+    def _is_not_found(self, api_error: Any) -> bool:
+        return isinstance(api_error, dict) and api_error.get("code") == LAMBDA_NOT_FOUND_CODE
+
     def _data(self, payload: Any, path: str) -> Any:
         if not isinstance(payload, dict) or "data" not in payload:
             raise ProviderError(f"lambda: {path} answered JSON without a 'data' field", kind="garbage")
@@ -241,6 +285,7 @@ class LambdaClient(_HttpClient):
         return parse_lambda_instance(self._data(self._request("GET", path), path))
 
     def list_instances(self) -> list[Instance]:
+        """Every instance of the account the API lists (each with its name in `raw["name"]`)."""
         data = self._data(self._request("GET", "/api/v1/instances"), "/api/v1/instances")
         if not isinstance(data, list):
             raise ProviderError("lambda: /api/v1/instances 'data' is not a list", kind="garbage")
@@ -281,19 +326,50 @@ class LambdaClient(_HttpClient):
             raise ProviderError("lambda: launch answered without instance_ids", kind="garbage")
         return str(ids[0])
 
-    def instance_type_prices(self) -> dict[str, float]:
-        """$/h per instance type name, from GET /api/v1/instance-types."""
+    def instance_types(self) -> dict[str, GpuOffer]:
+        """What Lambda offers, per instance type name, from GET /api/v1/instance-types: the price,
+        the GPUs and Lambda's own description of them ("1x A100 (40 GB SXM4)")."""
         path = "/api/v1/instance-types"
         data = self._data(self._request("GET", path), path)
         if not isinstance(data, dict):
             raise ProviderError("lambda: instance-types 'data' is not an object", kind="garbage")
-        prices = {}
+        offers = {}
         for name, entry in data.items():
             it = entry.get("instance_type") if isinstance(entry, dict) else None
             cents = _number(it.get("price_cents_per_hour")) if isinstance(it, dict) else None
-            if cents is not None:
-                prices[str(it.get("name") or name)] = cents / 100.0
-        return prices
+            if cents is None or not isinstance(it, dict):
+                continue
+            specs = it.get("specs") if isinstance(it.get("specs"), dict) else {}
+            gpus = specs.get("gpus")
+            key = str(it.get("name") or name)
+            offers[key] = GpuOffer(
+                name=key, price_usd_per_hr=cents / 100.0, gpus=gpus if isinstance(gpus, int) else None,
+                description=_text(it.get("description")) or key,
+                gpu_description=_text(it.get("gpu_description")) or _text(it.get("description")) or key,
+                memory_gb=_memory_gb(_text(it.get("gpu_description")) or _text(it.get("description")) or ""))
+        return offers
+
+    def instance_type_prices(self) -> dict[str, float]:
+        """$/h per instance type name, from GET /api/v1/instance-types."""
+        return {name: offer.price_usd_per_hr for name, offer in self.instance_types().items()}
+
+
+@dataclass(frozen=True)
+class GpuOffer:
+    """One instance type (Lambda) or GPU type (RunPod) as the provider describes it."""
+
+    name: str  # the API's name: Lambda's instance type, RunPod's GPU type id
+    price_usd_per_hr: float
+    gpus: int | None  # GPUs in one instance (Lambda); RunPod prices one GPU
+    description: str  # the provider's words: "1x A100 (40 GB SXM4)", "A100 PCIe"
+    gpu_description: str  # of one GPU: "A100 (40 GB SXM4)"
+    memory_gb: float | None  # of one GPU, from the provider's description or its memoryInGb
+
+
+def _memory_gb(text: str) -> float | None:
+    """The GB figure in a GPU description ("A100 (40 GB SXM4)", "A100 80GB PCIe"), or None."""
+    m = re.search(r"(\d+(?:\.\d+)?)\s*GB", text, re.IGNORECASE)
+    return float(m.group(1)) if m else None
 
 
 def parse_lambda_instance(d: Any) -> Instance:
@@ -334,6 +410,13 @@ class RunPodClient(_HttpClient):
     def _error_text(self, data: Any, resp: httpx.Response) -> str:
         return _graphql_errors(data) or resp.text[:200]
 
+    def _api_error(self, data: Any) -> Any:
+        errors = data.get("errors") if isinstance(data, dict) else None
+        return errors if isinstance(errors, list) and errors else None
+
+    def _is_not_found(self, api_error: Any) -> bool:
+        return isinstance(api_error, list) and "not found" in _graphql_errors({"errors": api_error}).lower()
+
     def graphql(self, query: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = self._request("POST", "/graphql", {"query": query, "variables": variables or {}})
         if not isinstance(payload, dict):
@@ -343,7 +426,7 @@ class RunPodClient(_HttpClient):
             # GraphQL reports failures with HTTP 200 and an "errors" list.
             lowered = errors.lower()
             kind = "auth" if "unauthori" in lowered else "not-found" if "not found" in lowered else "bad-request"
-            raise ProviderError(f"runpod: {self._scrub(errors)}", kind=kind)
+            raise ProviderError(f"runpod: {self._scrub(errors)}", kind=kind, api_error=self._api_error(payload))
         data = payload.get("data")
         if not isinstance(data, dict):
             raise ProviderError("runpod: /graphql answered without a 'data' object", kind="garbage")
@@ -351,9 +434,20 @@ class RunPodClient(_HttpClient):
 
     def get_instance(self, instance_id: str) -> Instance:
         data = self.graphql(f"query Pod($podId: String!) {{ pod(input: {{podId: $podId}}) {{ {_POD_FIELDS} }} }}", {"podId": instance_id})
-        if data.get("pod") is None:
-            raise ProviderError(f"runpod: pod {instance_id} not found", kind="not-found")
-        return parse_runpod_pod(data["pod"])
+        if "pod" in data and data["pod"] is None:
+            # The GraphQL API's own answer for an id it does not know (a terminated pod is soon one).
+            raise ProviderError(f"runpod: pod {instance_id} not found", kind="not-found",
+                                api_error={"data": {"pod": None}})
+        return parse_runpod_pod(data.get("pod"))
+
+    def list_instances(self) -> list[Instance]:
+        """Every pod of the account (myself { pods }), each with its name in `raw["name"]`."""
+        data = self.graphql(f"query Pods {{ myself {{ pods {{ {_POD_FIELDS} }} }} }}")
+        myself = data.get("myself")
+        pods = myself.get("pods") if isinstance(myself, dict) else None
+        if not isinstance(pods, list):
+            raise ProviderError("runpod: myself.pods is not a list", kind="garbage")
+        return [parse_runpod_pod(p) for p in pods]
 
     def terminate(self, instance_id: str) -> dict[str, Any]:
         data = self.graphql("mutation Terminate($podId: String!) { podTerminate(input: {podId: $podId}) }", {"podId": instance_id})
@@ -387,11 +481,15 @@ class RunPodClient(_HttpClient):
         ports: str = "22/tcp",
         env: Mapping[str, str] | None = None,
         docker_args: str | None = None,
+        bid_per_gpu: float | None = None,
+        min_cuda_version: str | None = None,
     ) -> Instance:
-        """podFindAndDeployOnDemand: one pod of `gpu_type_id` running `image_name`, with a network
-        volume at /workspace. Like Lambda's launch it is never retried after a 5xx or a timeout (the
-        pod may exist). `env` reaches the pod's container (PUBLIC_KEY: the SSH key RunPod's images
-        authorize); its values never appear in an error."""
+        """One pod of `gpu_type_id` running `image_name`, with a volume at /workspace: on demand
+        (podFindAndDeployOnDemand), or interruptible at `bid_per_gpu` $/h (podRentInterruptable,
+        RunPod's spot market). `min_cuda_version` keeps it to hosts whose driver runs that CUDA.
+        Like Lambda's launch it is never retried after a 5xx or a timeout (the pod may exist).
+        `env` reaches the pod's container (PUBLIC_KEY: the SSH key RunPod's images authorize); its
+        values never appear in an error."""
         spec: dict[str, Any] = {
             "cloudType": cloud_type,
             "gpuCount": gpu_count,
@@ -408,10 +506,16 @@ class RunPodClient(_HttpClient):
             spec["name"] = name
         if docker_args:
             spec["dockerArgs"] = docker_args
-        operation = "podFindAndDeployOnDemand"
+        if min_cuda_version:
+            spec["minCudaVersion"] = min_cuda_version
+        if bid_per_gpu is not None:
+            spec["bidPerGpu"] = bid_per_gpu
+            operation, input_type = "podRentInterruptable", "PodRentInterruptableInput"
+        else:
+            operation, input_type = "podFindAndDeployOnDemand", "PodFindAndDeployOnDemandInput"
         payload = self._request(
             "POST", "/graphql",
-            {"query": f"mutation Deploy($input: PodFindAndDeployOnDemandInput!) {{ {operation}(input: $input) "
+            {"query": f"mutation Deploy($input: {input_type}!) {{ {operation}(input: $input) "
                       f"{{ {_POD_FIELDS} }} }}",
              "variables": {"input": spec}},
             idempotent=False,
@@ -420,7 +524,7 @@ class RunPodClient(_HttpClient):
         if errors:
             lowered = errors.lower()
             kind_ = "auth" if "unauthori" in lowered else "bad-request"
-            raise ProviderError(f"runpod: {self._scrub(errors)}", kind=kind_)
+            raise ProviderError(f"runpod: {self._scrub(errors)}", kind=kind_, api_error=self._api_error(payload))
         data = payload.get("data") if isinstance(payload, dict) else None
         pod = data.get(operation) if isinstance(data, dict) else None
         if not isinstance(pod, dict):
@@ -441,17 +545,8 @@ class RunPodClient(_HttpClient):
         }
         if market not in fields:
             raise ValueError(f"market: {market!r} is not one of {', '.join(fields)}")
-        data = self.graphql(
-            "query GpuTypes { gpuTypes { id displayName memoryInGb securePrice communityPrice "
-            "secureSpotPrice communitySpotPrice } }"
-        )
-        types = data.get("gpuTypes")
-        if not isinstance(types, list):
-            raise ProviderError("runpod: gpuTypes is not a list", kind="garbage")
         prices: dict[str, float] = {}
-        for t in types:
-            if not isinstance(t, dict):
-                continue
+        for t in self._gpu_types():
             # 0 or null means "not offered in that market now".
             offered = [p for p in (_number(t.get(f)) for f in fields[market]) if p is not None and p > 0]
             if offered:
@@ -459,6 +554,31 @@ class RunPodClient(_HttpClient):
                     if name:
                         prices[str(name)] = min(offered)
         return prices
+
+    def gpu_offers(self, price_field: str) -> dict[str, GpuOffer]:
+        """Each GPU type id offered at `price_field` (communityPrice, communitySpotPrice, ...), with
+        RunPod's own description of it (displayName, memoryInGb)."""
+        offers = {}
+        for t in self._gpu_types():
+            price = _number(t.get(price_field))
+            if not t.get("id") or price is None or price <= 0:
+                continue
+            memory = _number(t.get("memoryInGb"))
+            display = _text(t.get("displayName")) or str(t["id"])
+            offers[str(t["id"])] = GpuOffer(
+                name=str(t["id"]), price_usd_per_hr=price, gpus=1, description=display,
+                gpu_description=f"{display} ({memory:g} GB)" if memory else display, memory_gb=memory)
+        return offers
+
+    def _gpu_types(self) -> list[dict[str, Any]]:
+        data = self.graphql(
+            "query GpuTypes { gpuTypes { id displayName memoryInGb securePrice communityPrice "
+            "secureSpotPrice communitySpotPrice } }"
+        )
+        types = data.get("gpuTypes")
+        if not isinstance(types, list):
+            raise ProviderError("runpod: gpuTypes is not a list", kind="garbage")
+        return [t for t in types if isinstance(t, dict)]
 
 
 def ssh_address(inst: Instance) -> tuple[str, int] | None:

@@ -22,6 +22,7 @@ Standard library only: the launcher-side tools and `stack status` read it withou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
@@ -81,6 +82,17 @@ def previous_stop(phase: str, time: float, step: int, signal_time: float | None)
     if phase in (PHASE_STOPPED, PHASE_FINISHED):
         return Stop(time, "exit", step)
     return Stop(time, "last heartbeat", step)
+
+
+def on_this_clock(stop: Stop, stop_mono: float | None, stop_boot: str | None, boot: str | None, now: float,
+                  now_mono: float) -> Stop:
+    """`stop` moved into this process's wall-clock frame: where both processes ran on one boot, its
+    time is measured back from `now` on the monotonic clock they share, so that a wall clock
+    stepped between the stop and now (NTP, a resumed VM) does not change the downtime. Elsewhere
+    (another host, a reboot between), its own wall-clock time, as it was."""
+    if stop_mono is None or stop_boot is None or stop_boot != boot:
+        return stop
+    return dataclasses.replace(stop, unix=now - max(0.0, now_mono - stop_mono))
 
 
 def stop_moment(own: Stop | None, watchdog_exit_unix: float | None) -> Stop | None:

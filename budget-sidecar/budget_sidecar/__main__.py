@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Polls the provider's API (Lambda, RunPod; or a fixed rate for on-prem) and rewrites budget.json "
             "atomically after every poll: spent, rate, hours, projection, staleness. Serves GET /budget, "
-            "GET /healthz (503 when stale) and GET /metrics. Spend never goes down: failed polls keep it "
+            "GET /healthz (503 when stale, or from the first failed write of budget.json or its ledger on a full or "
+            "read-only disk: last_error names the path and the free space; every poll retries) and GET /metrics. "
+            "Spend never goes down: failed polls keep it "
             "rising at the last known rate (after 2 in a row the reading is marked stale), and a ledger "
             "next to budget.json (budget-state.json) carries it across restarts, instance relaunches and a change "
             "of provider. A run on several hosts is one budget: budget.json shows the total and each instance's "

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
+from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -44,11 +44,32 @@ def start_scheduler(poller: Poller) -> BackgroundScheduler:
     return scheduler
 
 
-def is_stale(snap: Snapshot, settings: SidecarSettings, now: float) -> bool:
-    """Stale: failed polls in a row, no reading yet, or no write for 3 poll periods (a stuck poller)."""
-    if snap.stale or snap.last_update is None:
+def is_stale(snap: Snapshot, settings: SidecarSettings, now_mono: float) -> bool:
+    """Stale: failed polls in a row, no reading yet, or no write for 3 poll periods (a stuck poller),
+    measured on the monotonic clock (`now_mono`): a wall clock stepped back does not hide a stuck
+    poller, nor does one stepped forward make a working one look stuck."""
+    if snap.stale or snap.last_update is None or snap.last_update_mono is None:
         return True
-    return now - snap.last_update > 3 * settings.poll_seconds + 30
+    return now_mono - snap.last_update_mono > 3 * settings.poll_seconds + 30
+
+
+def health(snap: Snapshot, settings: SidecarSettings, now_mono: float) -> tuple[dict[str, Any], int]:
+    """/healthz's body and status. Not ok (503) while the reading is stale or a write fails: a
+    failing write is said from its first failure, with the path and the cause in `last_error`."""
+    stale = is_stale(snap, settings, now_mono)
+    failing = snap.write_error is not None
+    body = {
+        "status": "write-failing" if failing else "stale" if stale else "ok",
+        "stale": stale,
+        "consecutive_failures": snap.consecutive_failures,
+        "last_update_utc": (snap.document or {}).get("last_update_utc"),
+        # Why the polls (or the writes) fail, for whoever waits on this sidecar (`stack up` stops
+        # waiting on "auth").
+        "last_error": snap.write_error or snap.last_error,
+        "last_error_kind": "write" if failing else snap.last_error_kind,
+        "write_error": snap.write_error,
+    }
+    return body, 503 if stale or failing else 200
 
 
 class BudgetCollector:
@@ -70,7 +91,10 @@ class BudgetCollector:
             (contracts.M_BUDGET_PLANNED_HOURS, "billed hours planned (--planned-hours); 0: none, the projection is "
              "the spend so far and the trainer's guard projects the rest", s.planned_hours or 0.0),
             (contracts.M_BUDGET_LAST_UPDATE, "unix time of the last budget.json write", snap.last_update),
-            (contracts.M_BUDGET_STALE, "1 when the reading is stale (failed polls)", float(is_stale(snap, s, time.time()))),
+            (contracts.M_BUDGET_STALE, "1 when the reading is stale (failed polls)",
+             float(is_stale(snap, s, self.poller.monotonic()))),
+            (contracts.M_BUDGET_WRITE_FAILING, "1 while writing budget.json or its ledger fails (a full or read-only "
+             "disk: /healthz's last_error names the path)", float(snap.write_error is not None)),
         ]
         for name, doc_text, value in gauges:
             if value is not None:
@@ -111,18 +135,8 @@ def create_app(settings: SidecarSettings, poller: Poller | None = None) -> FastA
 
     @app.get("/healthz")
     def healthz(p: Poller = Depends(get_poller)) -> JSONResponse:
-        snap = p.snapshot()
-        stale = is_stale(snap, settings, time.time())
-        body = {
-            "status": "stale" if stale else "ok",
-            "stale": stale,
-            "consecutive_failures": snap.consecutive_failures,
-            "last_update_utc": (snap.document or {}).get("last_update_utc"),
-            # Why the polls fail, for whoever waits on this sidecar (`stack up` stops waiting on "auth").
-            "last_error": snap.last_error,
-            "last_error_kind": snap.last_error_kind,
-        }
-        return JSONResponse(body, status_code=503 if stale else 200)
+        body, status = health(p.snapshot(), settings, p.monotonic())
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -10,9 +10,30 @@ thing, plus an unauthenticated test control plane meant for 127.0.0.1 only:
     POST /_control {"price_usd_per_hr": 3.3}        the price from now on (with "instance_id": that
                                                     instance's own price; the others keep theirs)
                    {"vanish": true, "instance_id": "i-2"}  the API forgets the instance (404, no pod)
-                   {"fail_mode": "none"|"500"|"timeout"|"garbage"}
+                   {"fail_mode": "none"|"500"|"timeout"|"garbage"}   every request, until "none"
                    {"preempt": true}  {"terminate": true}   (optionally with "instance_id")
+                   {"fault": {...}}  {"terminate_effect": {...}}  {"misreport": {...}}  {"reset": true}
     GET  /_state   billed hours and dollars, statuses, the terminate / launch / resume calls received
+
+The API misbehaves as real ones do, on demand:
+
+    {"fault": {"mode": M, "on": OP, "when": "before"|"after", "count": N, "hold_s": S}}
+        M: "timeout" (no answer for hold_s, 30 s by default: past the client's timeout), "slow" (the
+        real answer, hold_s late), "500" (the
+        API's own 5xx), "502-html" / "404-html" (a proxy's HTML page), "garbage" (a body cut short),
+        "close" (the connection closed mid-answer). OP: create, terminate, get, list, types,
+        resume, stop or any. "after": the operation is DONE, then its answer is lost that way (a
+        create that rented although the client saw an error). N requests (default: until
+        {"fault": null}).
+    {"terminate_effect": {"mode": "now"|"ignore"|"async"|"gone", "delay_s": S, "count": N}}
+        how a terminate answered "ok" takes effect: at once; not at all for N calls (the instance
+        keeps running and billing); after delay_s (Lambda shows "terminating" meanwhile, RunPod
+        RUNNING); or at once, the instance then forgotten (RunPod soon answers a null pod).
+    {"misreport": {"instance_id": "i-1", "id": "other-9", "instance_type": "gpu_1x_a10",
+                   "price_usd_per_hr": 0.75}}
+        the API's record of i-1 shows these fields instead (another id, another type name, a
+        wrong price); its bill is unchanged. {"misreport": null} ends it.
+    {"reset": true}   every instance, call record, fault and effect forgotten (a test's fresh cloud)
 
 `--instance-id i-1,i-2` starts several instances (the nodes of a multi-node run), all at the
 starting price. Lambda's launch and RunPod's podFindAndDeployOnDemand create instances (booting, then running).
@@ -47,7 +68,12 @@ from fastapi.responses import JSONResponse, Response
 from x1_common.logs import setup_logging
 
 FAIL_MODES = ("none", "500", "timeout", "garbage")
+FAULT_MODES = ("timeout", "slow", "500", "502-html", "404-html", "garbage", "close")
+FAULT_OPS = ("any", "create", "terminate", "get", "list", "types", "resume", "stop")
+TERMINATE_EFFECTS = ("now", "ignore", "async", "gone")
 DEFAULT_TYPES = {"lambda": "gpu_1x_a100_sxm4", "runpod": "NVIDIA A100 80GB PCIe"}
+# Lambda's single A100 is the 40 GB SXM4 card (its 80 GB A100s come eight to an instance).
+LAMBDA_OWN_TYPE_DESCRIPTION = "1x A100 (40 GB SXM4)"
 
 # Other instance types the Lambda listing shows beside the fake instance's own (fixed prices).
 LAMBDA_OTHER_TYPES = {
@@ -55,8 +81,41 @@ LAMBDA_OTHER_TYPES = {
     "gpu_1x_a10": ("1x A10 (24 GB PCIe)", 75, 30, 200),
     "gpu_8x_a100_80gb_sxm4": ("8x A100 (80 GB SXM4)", 1432, 240, 1800),
 }
+
+@dataclass
+class Fault:
+    """One misbehaviour of the API (see the module's docstring)."""
+
+    mode: str
+    on: str = "any"
+    when: str = "before"
+    count: int | None = None  # requests left; None: until cleared
+    hold_s: float = 30.0
+
+    @classmethod
+    def parse(cls, body: Any) -> Fault:
+        if not isinstance(body, dict):
+            raise ValueError("fault must be an object or null")
+        unknown = set(body) - {"mode", "on", "when", "count", "hold_s"}
+        if unknown:
+            raise ValueError(f"fault: unknown field(s) {', '.join(sorted(unknown))}")
+        fault = cls(mode=body.get("mode"), on=body.get("on", "any"), when=body.get("when", "before"),
+                    count=body.get("count"), hold_s=body.get("hold_s", 30.0))
+        if fault.mode not in FAULT_MODES:
+            raise ValueError(f"fault.mode must be one of {', '.join(FAULT_MODES)}, got {fault.mode!r}")
+        if fault.on not in FAULT_OPS:
+            raise ValueError(f"fault.on must be one of {', '.join(FAULT_OPS)}, got {fault.on!r}")
+        if fault.when not in ("before", "after"):
+            raise ValueError(f"fault.when must be before or after, got {fault.when!r}")
+        if fault.count is not None and (isinstance(fault.count, bool) or not isinstance(fault.count, int)
+                                        or fault.count < 1):
+            raise ValueError(f"fault.count must be a positive integer, got {fault.count!r}")
+        if isinstance(fault.hold_s, bool) or not isinstance(fault.hold_s, (int, float)) or fault.hold_s < 0:
+            raise ValueError(f"fault.hold_s must be a number >= 0, got {fault.hold_s!r}")
+        return fault
 # RunPod's markets against spot (the fake's price): what runpod_gpu_types lists and a created pod bills.
 RUNPOD_MARKET_FACTOR = {"COMMUNITY": 1.4, "SECURE": 1.7, "ALL": 1.4}
+RUNPOD_SPOT_FACTOR = {"COMMUNITY": 1.0, "SECURE": 1.2, "ALL": 1.0}
 RUNPOD_OTHER_TYPES = {"NVIDIA H100 80GB HBM3": ("H100 SXM", 80, 2.69), "NVIDIA GeForce RTX 4090": ("RTX 4090", 24, 0.34)}
 
 
@@ -127,6 +186,8 @@ class FakeInstance:
     file_system_names: list[str] = field(default_factory=list)
     price_factor: float = 1.0  # a RunPod pod created on demand bills its market's price (RUNPOD_MARKET_FACTOR)
     own_price: float | None = None  # set by /_control for this instance alone; None: the cloud's price
+    terminate_at: float | None = None  # an asynchronous terminate: wall time it takes effect
+    forget_on_terminate: bool = False  # terminate_effect "gone": the API forgets it once terminated
 
 
 class FakeCloud:
@@ -164,6 +225,12 @@ class FakeCloud:
         self.create_calls: list[dict[str, Any]] = []
         self.requests = 0
         self.auth_failures = 0
+        self.faults: list[Fault] = []
+        self.terminate_effect = "now"
+        self.terminate_delay_s = 0.0
+        self.terminate_effect_count: int | None = None  # terminates the effect applies to; None: all
+        self.misreports: dict[str, dict[str, Any]] = {}
+        self.faulted: list[dict[str, Any]] = []  # each request a fault hit: op, mode, when
         self.machines = MachineWorker(machines) if machines is not None else None
         now = clock()
         if start_with_instance:
@@ -188,7 +255,7 @@ class FakeCloud:
         return (self.price if inst.own_price is None else inst.own_price) * inst.price_factor
 
     def _billing(self, inst: FakeInstance) -> bool:
-        return inst.status in ("active", "booting", "unhealthy", "RUNNING")
+        return inst.status in ("active", "booting", "unhealthy", "terminating", "RUNNING")
 
     # --- time -------------------------------------------------------------------------------
     def advance(self) -> None:
@@ -203,6 +270,10 @@ class FakeCloud:
             inst.last_wall = now
             if inst.status == "booting" and now >= inst.boot_until:
                 inst.status = "active"
+        for inst in list(self.instances.values()):
+            if inst.terminate_at is not None and now >= inst.terminate_at:
+                inst.terminate_at = None
+                self._terminate(inst)
 
     def booting(self, inst: FakeInstance) -> bool:
         return self.clock() < inst.boot_until
@@ -224,12 +295,21 @@ class FakeCloud:
     # --- control plane ----------------------------------------------------------------------
     def control(self, body: dict[str, Any]) -> None:
         """Apply one /_control request; ValueError names a bad field."""
-        known = {"price_usd_per_hr", "fail_mode", "preempt", "terminate", "vanish", "instance_id", "time_scale"}
+        known = {"price_usd_per_hr", "fail_mode", "preempt", "terminate", "vanish", "instance_id", "time_scale",
+                 "fault", "terminate_effect", "misreport", "reset"}
         unknown = set(body) - known
         if unknown:
             raise ValueError(f"unknown control field(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
         with self.lock:
             self.advance()
+            if body.get("reset"):
+                self._reset()
+            if "fault" in body:
+                self.faults = [] if body["fault"] is None else [Fault.parse(body["fault"])]
+            if "terminate_effect" in body:
+                self._set_terminate_effect(body["terminate_effect"])
+            if "misreport" in body:
+                self._set_misreport(body["misreport"])
             targets = self._targets(body.get("instance_id"))
             if "price_usd_per_hr" in body:
                 price = body["price_usd_per_hr"]
@@ -265,6 +345,70 @@ class FakeCloud:
                 for inst in targets:
                     del self.instances[inst.id]
 
+    def _reset(self) -> None:
+        self.instances.clear()
+        for calls in (self.terminate_calls, self.launch_calls, self.resume_calls, self.create_calls, self.faulted):
+            calls.clear()
+        self.faults, self.misreports, self.fail_mode = [], {}, "none"
+        self.terminate_effect, self.terminate_delay_s, self.terminate_effect_count = "now", 0.0, None
+        self.requests = self.auth_failures = 0
+
+    def _set_terminate_effect(self, body: Any) -> None:
+        if body is None:
+            body = {"mode": "now"}
+        if not isinstance(body, dict) or body.get("mode") not in TERMINATE_EFFECTS:
+            raise ValueError(f"terminate_effect.mode must be one of {', '.join(TERMINATE_EFFECTS)}")
+        delay, count = body.get("delay_s", 0.0), body.get("count")
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+            raise ValueError(f"terminate_effect.delay_s must be a number >= 0, got {delay!r}")
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ValueError(f"terminate_effect.count must be a positive integer, got {count!r}")
+        self.terminate_effect, self.terminate_delay_s, self.terminate_effect_count = body["mode"], float(delay), count
+
+    def _set_misreport(self, body: Any) -> None:
+        if body is None:
+            self.misreports = {}
+            return
+        if not isinstance(body, dict) or not isinstance(body.get("instance_id"), str):
+            raise ValueError("misreport needs an instance_id")
+        unknown = set(body) - {"instance_id", "id", "instance_type", "price_usd_per_hr"}
+        if unknown:
+            raise ValueError(f"misreport: unknown field(s) {', '.join(sorted(unknown))}")
+        self.misreports[body["instance_id"]] = {k: v for k, v in body.items() if k != "instance_id"}
+
+    def take_fault(self, op: str) -> Fault | None:
+        """The fault this request meets, if any (its count used up by one). Call with the lock held."""
+        for fault in self.faults:
+            if fault.on in ("any", op):
+                if fault.count is not None:
+                    fault.count -= 1
+                    if fault.count <= 0:
+                        self.faults.remove(fault)
+                self.faulted.append({"op": op, "mode": fault.mode, "when": fault.when})
+                return fault
+        return None
+
+    def request_terminate(self, inst: FakeInstance) -> None:
+        """A terminate the API answers "ok": its effect as terminate_effect says. Lock held."""
+        self.terminate_calls.append(inst.id)
+        effect = self.terminate_effect
+        if self.terminate_effect_count is not None:
+            self.terminate_effect_count -= 1
+            if self.terminate_effect_count <= 0:
+                self.terminate_effect, self.terminate_effect_count = "now", None
+        if inst.status in ("terminated", "TERMINATED"):
+            return
+        if effect == "ignore":
+            return  # answered ok; the instance runs on, billing
+        if effect == "async":
+            if inst.terminate_at is None:
+                inst.terminate_at = self.clock() + self.terminate_delay_s
+                if self.provider == "lambda":
+                    inst.status = "terminating"
+            return
+        inst.forget_on_terminate = effect == "gone"
+        self._terminate(inst)
+
     def _targets(self, instance_id: str | None) -> list[FakeInstance]:
         if instance_id is None:
             return list(self.instances.values())
@@ -277,6 +421,8 @@ class FakeCloud:
             self.machine("remove", inst)
         inst.status = "terminated" if self.provider == "lambda" else "TERMINATED"
         inst.last_status_change = f"Terminated by User: {time.ctime()}"
+        if inst.forget_on_terminate:
+            self.instances.pop(inst.id, None)
 
     def state(self) -> dict[str, Any]:
         with self.lock:
@@ -288,7 +434,9 @@ class FakeCloud:
                 "fail_mode": self.fail_mode,
                 "instances": {
                     i.id: {
+                        "name": i.name,
                         "status": i.status,
+                        "billing": self._billing(i),
                         "instance_type": i.instance_type,
                         "price_usd_per_hr": self.price_of(i),
                         "billed_hours": i.billed_s / 3600.0,
@@ -307,28 +455,36 @@ class FakeCloud:
                 "machine_errors": [] if self.machines is None else list(self.machines.errors),
                 "requests": self.requests,
                 "auth_failures": self.auth_failures,
+                "faults_hit": list(self.faulted),
+                "faults_left": [vars(f).copy() for f in self.faults],
             }
 
     # --- Lambda -----------------------------------------------------------------------------
     def lambda_type(self, name: str, price: float | None = None) -> dict[str, Any]:
         """The type's record; `price`: an instance's own price for its type (default the cloud's)."""
         if name == self.instance_type:
-            cents, desc, vcpus, mem = round((self.price if price is None else price) * 100), "1x A100 (80 GB SXM4)", 30, 200
-        else:
+            own = LAMBDA_OWN_TYPE_DESCRIPTION if name == DEFAULT_TYPES["lambda"] else f"1x {name}"
+            cents, desc, vcpus, mem = round((self.price if price is None else price) * 100), own, 30, 200
+        elif name in LAMBDA_OTHER_TYPES:
             desc, cents, vcpus, mem = LAMBDA_OTHER_TYPES[name]
+            if price is not None:
+                cents = round(price * 100)
+        else:  # a name the API made up (a misreport): the price given
+            desc, cents, vcpus, mem = f"1x {name}", round((price or 0.0) * 100), 0, 0
         gpus = int(desc.split("x", 1)[0])
         return {
             "name": name,
             "description": desc,
-            "gpu_description": desc.split(" ", 1)[1].strip("()") if " " in desc else desc,
+            "gpu_description": desc.split(" ", 1)[1] if " " in desc else desc,
             "price_cents_per_hour": cents,  # an integer, as Lambda sends it
             "specs": {"vcpus": vcpus, "memory_gib": mem, "storage_gib": 512, "gpus": gpus},
         }
 
     def lambda_instance(self, inst: FakeInstance) -> dict[str, Any]:
         address = self.address(inst) if inst.status == "active" else None
+        wrong = self.misreports.get(inst.id, {})
         record = {
-            "id": inst.id,
+            "id": wrong.get("id", inst.id),
             "name": inst.name,
             "private_ip": "10.0.0.10",
             "status": inst.status,
@@ -336,7 +492,8 @@ class FakeCloud:
             "ssh_key_names": inst.ssh_key_names,
             "file_system_names": inst.file_system_names,
             "region": {"name": inst.region, "description": "Virginia, USA"},
-            "instance_type": self.lambda_type(inst.instance_type, self.price_of(inst)),
+            "instance_type": self.lambda_type(wrong.get("instance_type", inst.instance_type),
+                                              wrong.get("price_usd_per_hr", self.price_of(inst))),
             "is_reserved": False,
         }
         if address is not None:
@@ -374,22 +531,30 @@ class FakeCloud:
             running = False  # the container is not up (yet): no runtime, as RunPod shows it
         ports = [] if address is None else [
             {"ip": address[0], "isIpPublic": True, "privatePort": 22, "publicPort": address[1], "type": "tcp"}]
+        wrong = self.misreports.get(inst.id, {})
         return {
-            "id": inst.id,
+            "id": wrong.get("id", inst.id),
             "name": inst.name,
-            "costPerHr": round(self.price_of(inst), 4),
+            "costPerHr": round(wrong.get("price_usd_per_hr", self.price_of(inst)), 4),
             "desiredStatus": inst.status,
             "lastStatusChange": inst.last_status_change,
             "gpuCount": 1,
             "imageName": "nvcr.io/nvidia/pytorch:24.10-py3",
             "machineId": "m-fake",
-            "machine": {"gpuDisplayName": "A100 PCIe", "podHostId": f"{inst.id}-host"},
+            "machine": {"gpuDisplayName": wrong.get("instance_type", self.runpod_display(inst.instance_type)),
+                        "podHostId": f"{inst.id}-host"},
             # No runtime while the container starts or when the pod is not running (as RunPod does).
             "runtime": {"uptimeInSeconds": int(inst.uptime_s), "ports": ports, "gpus": [{"id": "GPU-0"}]} if running else None,
         }
 
-    def runpod_create(self, spec: Any) -> FakeInstance:
-        """podFindAndDeployOnDemand: a new pod of `gpuTypeId`, RUNNING (its container starting)."""
+    def runpod_display(self, gpu_type_id: str) -> str:
+        if gpu_type_id == self.instance_type:
+            return "A100 PCIe"
+        return RUNPOD_OTHER_TYPES.get(gpu_type_id, (gpu_type_id,))[0]
+
+    def runpod_create(self, spec: Any, interruptible: bool = False) -> FakeInstance:
+        """podFindAndDeployOnDemand (or podRentInterruptable): a new pod of `gpuTypeId`, RUNNING
+        (its container starting), billed at its market's price (spot: the bid must reach it)."""
         if not isinstance(spec, dict):
             raise ValueError("input is required")
         for key in ("gpuTypeId", "imageName"):
@@ -401,6 +566,13 @@ class FakeCloud:
         market = spec.get("cloudType") or "ALL"
         if market not in RUNPOD_MARKET_FACTOR:
             raise ValueError(f"input.cloudType {market!r} is not one of {', '.join(RUNPOD_MARKET_FACTOR)}")
+        factor = RUNPOD_MARKET_FACTOR[market]
+        if interruptible:
+            factor = RUNPOD_SPOT_FACTOR[market]
+            spot = self.runpod_base_price(spec["gpuTypeId"]) * factor
+            bid = spec.get("bidPerGpu")
+            if isinstance(bid, bool) or not isinstance(bid, (int, float)) or bid < round(spot, 2):
+                raise ValueError(f"input.bidPerGpu {bid!r} is under the spot price ${spot:.2f}/h")
         env = {}
         for item in spec.get("env") or []:
             if isinstance(item, dict) and isinstance(item.get("key"), str):
@@ -409,14 +581,21 @@ class FakeCloud:
         new = FakeInstance(
             id=uuid.uuid4().hex[:14], name=str(spec.get("name") or "x1"), instance_type=spec["gpuTypeId"],
             region=self.region, status="RUNNING", last_wall=now, boot_until=now + self.boot_seconds,
-            last_status_change=f"Rented by User: {time.ctime(now)}", price_factor=RUNPOD_MARKET_FACTOR[market],
+            last_status_change=f"Rented by User: {time.ctime(now)}", price_factor=factor,
         )
+        if spec["gpuTypeId"] != self.instance_type:
+            new.own_price = self.runpod_base_price(spec["gpuTypeId"])
         self.instances[new.id] = new
         # The record of the call, without the env's values (a pod's env may carry keys).
         self.create_calls.append({**{k: v for k, v in spec.items() if k != "env"}, "env_keys": sorted(env),
+                                  "operation": "podRentInterruptable" if interruptible else "podFindAndDeployOnDemand",
                                   "instance_id": new.id})
         self.machine("create", new, env, spec.get("dockerArgs") or None)
         return new
+
+    def runpod_base_price(self, gpu_type_id: str) -> float:
+        """The community spot price of a GPU type (the fake's price for its own type)."""
+        return self.price if gpu_type_id == self.instance_type else RUNPOD_OTHER_TYPES[gpu_type_id][2]
 
     def runpod_gpu_types(self) -> list[dict[str, Any]]:
         p = self.price
@@ -457,23 +636,36 @@ def _graphql_error(message: str, code: str | None = None) -> dict[str, Any]:
     return {"errors": [err]}
 
 
+def runpod_op(query: str) -> str:
+    """What a GraphQL request does, in the words of the fault control."""
+    for word, op in (("podTerminate", "terminate"), ("podResume", "resume"), ("podStop", "stop"),
+                     ("podFindAndDeployOnDemand", "create"), ("podRentInterruptable", "create"), ("gpuTypes", "types")):
+        if word in query:
+            return op
+    if re.search(r"\bpod\s*\(", query):
+        return "get"
+    if re.search(r"\bpods\b", query):
+        return "list"
+    return "other"
+
+
 def runpod_graphql(cloud: FakeCloud, query: str, variables: dict[str, Any]) -> dict[str, Any]:
     """The response body of one GraphQL request (always HTTP 200, as GraphQL servers do)."""
     with cloud.lock:
         cloud.advance()
         pod_id = _arg(_POD_ID, query, variables)
         inst = cloud.instances.get(pod_id) if pod_id else None
-        if "podTerminate" in query:
+        op = runpod_op(query)
+        if op == "terminate":
             if inst is None:
                 return {**_graphql_error("Pod not found"), "data": {"podTerminate": None}}
-            cloud.terminate_calls.append(inst.id)
-            cloud._terminate(inst)
+            cloud.request_terminate(inst)
             return {"data": {"podTerminate": None}}  # the mutation returns Void
-        if "podResume" in query or "podStop" in query:
-            op = "podResume" if "podResume" in query else "podStop"
+        if op in ("resume", "stop"):
+            name = "podResume" if op == "resume" else "podStop"
             if inst is None or inst.status == "TERMINATED":
-                return {**_graphql_error("Pod not found"), "data": {op: None}}
-            if op == "podStop":
+                return {**_graphql_error("Pod not found"), "data": {name: None}}
+            if op == "stop":
                 if inst.status == "RUNNING":
                     cloud.machine("stop", inst)
                 inst.status = "EXITED"
@@ -487,19 +679,23 @@ def runpod_graphql(cloud: FakeCloud, query: str, variables: dict[str, Any]) -> d
                     inst.boot_until = cloud.clock() + cloud.boot_seconds
                     inst.last_status_change = f"Resumed by User: {time.ctime()}"
                     cloud.machine("start", inst)
-            return {"data": {op: cloud.runpod_pod(inst)}}
-        if "podFindAndDeployOnDemand" in query:
+            return {"data": {name: cloud.runpod_pod(inst)}}
+        if op == "create":
+            name = "podRentInterruptable" if "podRentInterruptable" in query else "podFindAndDeployOnDemand"
             try:
-                new = cloud.runpod_create(variables.get("input"))
+                new = cloud.runpod_create(variables.get("input"), interruptible=name == "podRentInterruptable")
             except ValueError as e:
-                return {**_graphql_error(str(e)), "data": {"podFindAndDeployOnDemand": None}}
-            return {"data": {"podFindAndDeployOnDemand": cloud.runpod_pod(new)}}
-        if "gpuTypes" in query:
+                return {**_graphql_error(str(e)), "data": {name: None}}
+            return {"data": {name: cloud.runpod_pod(new)}}
+        if op == "types":
             return {"data": {"gpuTypes": cloud.runpod_gpu_types()}}
-        if re.search(r"\bpod\s*\(", query):
+        if op == "get":
             if inst is None:
                 return {**_graphql_error(f"Pod {pod_id} not found"), "data": {"pod": None}}
             return {"data": {"pod": cloud.runpod_pod(inst)}}
+        if op == "list":  # myself { pods }: the account's pods; a terminated one is no longer listed
+            return {"data": {"myself": {"pods": [cloud.runpod_pod(i) for i in cloud.instances.values()
+                                                 if i.status != "TERMINATED"]}}}
         if "myself" in query:
             running = [i for i in cloud.instances.values() if i.status == "RUNNING"]
             spent = sum(i.billed_usd for i in cloud.instances.values())
@@ -511,6 +707,23 @@ def runpod_graphql(cloud: FakeCloud, query: str, variables: dict[str, Any]) -> d
 
 # --------------------------------------------------------------------------------------------
 # HTTP
+
+_PROXY_PAGES = {
+    "502-html": (502, "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway"
+                      "</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"),
+    "404-html": (404, "<html>\r\n<head><title>404 Not Found</title></head>\r\n<body>\r\n<center><h1>404 Not Found"
+                      "</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"),
+}
+
+
+class _CutShort(Response):
+    """An answer that starts and never finishes: the connection is closed mid-body."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")]})
+        await send({"type": "http.response.body", "body": b'{"data": {"id": "', "more_body": True})
+        raise ConnectionAbortedError("fake billing: connection closed mid-answer (fault mode close)")
 
 
 def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
@@ -526,6 +739,16 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
             body = _graphql_error(message, code)
         return JSONResponse(body, status_code=status)
 
+    def server_error() -> JSONResponse:
+        if cloud.provider == "lambda":
+            return provider_error(500, "global/unknown", "Unknown error.")
+        return provider_error(500, "INTERNAL_SERVER_ERROR", "Something went wrong. Please try again later or contact support.")
+
+    async def hold(seconds: float, still: Callable[[], bool] = lambda: True) -> None:
+        deadline = time.monotonic() + seconds
+        while still() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def gate(request: Request) -> Response | None:
         """The fail mode, then bearer auth: what every provider route passes first."""
         with cloud.lock:
@@ -533,14 +756,10 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
             mode = cloud.fail_mode
         if mode == "timeout":
             # Hold the request until the client gives up (or the test ends the outage).
-            deadline = time.monotonic() + 60.0
-            while cloud.fail_mode == "timeout" and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await hold(60.0, lambda: cloud.fail_mode == "timeout")
             return provider_error(504, "global/timeout", "Gateway timeout")
         if mode == "500":
-            if cloud.provider == "lambda":
-                return provider_error(500, "global/unknown", "Unknown error.")
-            return provider_error(500, "INTERNAL_SERVER_ERROR", "Something went wrong. Please try again later or contact support.")
+            return server_error()
         if mode == "garbage":
             return Response('{"data": {"id": "i-', media_type="application/json")  # cut short
         if request.headers.get("authorization", "") != f"Bearer {api_key}":
@@ -550,6 +769,37 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
                 return provider_error(401, "global/invalid-api-key", "API key was invalid, expired, or deleted.")
             return provider_error(401, "UNAUTHENTICATED", "Unauthorized: invalid API key")
         return None
+
+    async def fault_answer(fault: Fault) -> Response:
+        if fault.mode == "timeout":
+            await hold(fault.hold_s)
+            return provider_error(504, "global/timeout", "Gateway timeout")
+        if fault.mode == "500":
+            return server_error()
+        if fault.mode in _PROXY_PAGES:
+            status, page = _PROXY_PAGES[fault.mode]
+            return Response(page, status_code=status, media_type="text/html")
+        if fault.mode == "garbage":
+            return Response('{"data": {"id": "i-', media_type="application/json")  # cut short
+        return _CutShort()
+
+    async def serve(op: str, work: Callable[[], Response]) -> Response:
+        """The operation, with the fault it meets before it (not done) or after it (done, answer lost)."""
+        with cloud.lock:
+            fault = cloud.take_fault(op)
+        if fault is not None and fault.mode == "slow":  # the real answer, late: the operation before or after the wait
+            if fault.when == "before":
+                await hold(fault.hold_s)
+                return work()
+            response = work()
+            await hold(fault.hold_s)
+            return response
+        if fault is not None and fault.when == "before":
+            return await fault_answer(fault)
+        response = work()
+        if fault is not None:
+            return await fault_answer(fault)
+        return response
 
     async def json_body(request: Request) -> dict[str, Any] | None:
         try:
@@ -579,28 +829,40 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
         async def lambda_get_instance(instance_id: str, request: Request) -> Response:
             if (failed := await gate(request)) is not None:
                 return failed
-            with cloud.lock:
-                cloud.advance()
-                inst = cloud.instances.get(instance_id)
-                if inst is None:
-                    return provider_error(404, "global/object-does-not-exist", "Specified instance does not exist.")
-                return JSONResponse({"data": cloud.lambda_instance(inst)})
+
+            def work() -> Response:
+                with cloud.lock:
+                    cloud.advance()
+                    inst = cloud.instances.get(instance_id)
+                    if inst is None:
+                        return provider_error(404, "global/object-does-not-exist", "Specified instance does not exist.")
+                    return JSONResponse({"data": cloud.lambda_instance(inst)})
+
+            return await serve("get", work)
 
         @app.get("/api/v1/instances")
         async def lambda_list_instances(request: Request) -> Response:
             if (failed := await gate(request)) is not None:
                 return failed
-            with cloud.lock:
-                cloud.advance()
-                live = [cloud.lambda_instance(i) for i in cloud.instances.values() if i.status != "terminated"]
-                return JSONResponse({"data": live})
+
+            def work() -> Response:
+                with cloud.lock:
+                    cloud.advance()
+                    live = [cloud.lambda_instance(i) for i in cloud.instances.values() if i.status != "terminated"]
+                    return JSONResponse({"data": live})
+
+            return await serve("list", work)
 
         @app.get("/api/v1/instance-types")
         async def lambda_instance_types(request: Request) -> Response:
             if (failed := await gate(request)) is not None:
                 return failed
-            with cloud.lock:
-                return JSONResponse({"data": cloud.lambda_instance_types()})
+
+            def work() -> Response:
+                with cloud.lock:
+                    return JSONResponse({"data": cloud.lambda_instance_types()})
+
+            return await serve("types", work)
 
         @app.post("/api/v1/instance-operations/terminate")
         async def lambda_terminate(request: Request) -> Response:
@@ -610,17 +872,25 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
             ids = body.get("instance_ids") if body else None
             if not isinstance(ids, list) or not ids:
                 return provider_error(400, "global/invalid-parameters", "instance_ids must be a non-empty list")
-            with cloud.lock:
-                cloud.advance()
-                missing = [i for i in ids if i not in cloud.instances]
-                if missing:
-                    return provider_error(404, "global/object-does-not-exist", f"Instance {missing[0]} does not exist.")
-                done = []
-                for i in ids:
-                    cloud.terminate_calls.append(i)
-                    cloud._terminate(cloud.instances[i])
-                    done.append(cloud.lambda_instance(cloud.instances[i]))
-                return JSONResponse({"data": {"terminated_instances": done}})
+
+            def work() -> Response:
+                with cloud.lock:
+                    cloud.advance()
+                    missing = [i for i in ids if i not in cloud.instances]
+                    if missing:
+                        return provider_error(404, "global/object-does-not-exist", f"Instance {missing[0]} does not exist.")
+                    done = []
+                    for i in ids:
+                        inst = cloud.instances[i]
+                        cloud.request_terminate(inst)
+                        # Lambda answers with the instances it accepted to terminate, as they are now.
+                        shown = cloud.lambda_instance(inst)
+                        if shown["status"] == "active":
+                            shown["status"] = "terminating"
+                        done.append(shown)
+                    return JSONResponse({"data": {"terminated_instances": done}})
+
+            return await serve("terminate", work)
 
         @app.post("/api/v1/instance-operations/launch")
         async def lambda_launch(request: Request) -> Response:
@@ -629,13 +899,17 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
             body = await json_body(request)
             if body is None:
                 return provider_error(400, "global/invalid-parameters", "body must be a JSON object")
-            with cloud.lock:
-                cloud.advance()
-                try:
-                    new_id = cloud.lambda_launch(body)
-                except ValueError as e:
-                    return provider_error(400, "global/invalid-parameters", str(e))
-            return JSONResponse({"data": {"instance_ids": [new_id]}})
+
+            def work() -> Response:
+                with cloud.lock:
+                    cloud.advance()
+                    try:
+                        new_id = cloud.lambda_launch(body)
+                    except ValueError as e:
+                        return provider_error(400, "global/invalid-parameters", str(e))
+                return JSONResponse({"data": {"instance_ids": [new_id]}})
+
+            return await serve("create", work)
 
     else:
 
@@ -647,7 +921,8 @@ def create_app(cloud: FakeCloud, api_key: str) -> FastAPI:
             if body is None or not isinstance(body.get("query"), str):
                 return JSONResponse(_graphql_error("Must provide query string.", "BAD_USER_INPUT"), status_code=400)
             variables = body.get("variables") if isinstance(body.get("variables"), dict) else {}
-            return JSONResponse(runpod_graphql(cloud, body["query"], variables))
+            query = body["query"]
+            return await serve(runpod_op(query), lambda: JSONResponse(runpod_graphql(cloud, query, variables)))
 
     return app
 
@@ -696,7 +971,9 @@ def main(argv: list[str] | None = None) -> int:
         "fake %s billing API on http://%s:%d: instance %s at $%.2f/h, time scale %g",
         args.provider, args.host, args.port, args.instance_id, args.price_usd_per_hr, args.time_scale,
     )
-    uvicorn.run(create_app(cloud, api_key), host=args.host, port=args.port, log_level="warning")
+    # A held request (fault "timeout") must not hold the shutdown up for long.
+    uvicorn.run(create_app(cloud, api_key), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=2)
     return 0
 
 

@@ -12,15 +12,20 @@ where it cannot:
 A failed poll never lowers the spend: it keeps growing at the last known rate and, after
 `stale_after_failures` failures in a row, the reading says `stale`.
 
-A price is the provider's word, and a wrong one must never make spend look lower. A price that is
-missing, not a finite number, zero or negative, or lower than the last trusted price while the
-provider reports no change of instance type, is suspect: the ledger counts at the last trusted
-price (the larger of the two), says why in `rate_note`, and the reading is marked `stale`, which
-makes the trainer's guard raise its stale-data alert. It stays so until the provider reports a
-price at or above the trusted one, or another instance type. With no trusted price yet, a
-suspect one is a failed poll (no budget.json until a good price comes, so the trainer's
-pre-launch check refuses to start). A higher price is taken at once, with a warning; the guard
-alerts when it is over 1.2x the plan. The static provider's rate is the operator's setting and
+A price is the provider's word about this instance, and a wrong one must never make spend look
+lower. Only a record whose id is the instance's is read at all: a record of another id (another
+instance's price, an A10 at 75 cents) is a bad answer, counted as a failed poll at the last
+trusted price and marked stale at once, never a new rate. A price that is missing, not a finite
+number, zero or negative, or lower than the last trusted price, is suspect: a running instance
+does not change its type, so a lower price under another type name (cents read as dollars, a
+renamed type) is as suspect as one under the same name. The ledger counts at the last trusted
+price (the larger of the two) and keeps the trusted type, says why in `rate_note`, and the reading
+is marked `stale`, which makes the trainer's guard raise its stale-data alert. It stays so until
+the provider reports a price at or above the trusted one. With no trusted price yet, a suspect
+one is a failed poll (no budget.json until a good price comes, so the trainer's pre-launch check
+refuses to start). A higher price is taken at once, with a warning; the guard alerts when it is
+over 1.2x the plan. On several hosts the sum may fall when a host stops billing (the set of
+billing instances changed); a lower sum from the same hosts is suspect like a lower price. The static provider's rate is the operator's setting and
 is taken as it is. The ledger is persisted next
 to budget.json after every poll, so a restarted sidecar carries on from where it was, and charges
 the time it was down at the last known rate.
@@ -50,7 +55,8 @@ log = logging.getLogger("x1.budget_sidecar")
 
 @dataclass
 class Ledger:
-    """Everything the sidecar must remember across a restart. Times are unix seconds (wall clock)."""
+    """Everything the sidecar must remember across a restart. Times are unix seconds (wall clock);
+    the time charged between two polls of one process is the monotonic clock's (Poller)."""
 
     provider: str
     instance_id: str
@@ -136,13 +142,16 @@ class Ledger:
         write_json_atomic(path, asdict(self))
 
     # --- accounting -------------------------------------------------------------------------
-    def _accrue(self, now: float, time_scale: float, rate: float | None, billing: bool) -> None:
-        """Charge the wall time since `accrued_until` at `rate`, on the (scaled) billed clock.
+    def _accrue(self, now: float, time_scale: float, rate: float | None, billing: bool,
+                elapsed_s: float | None = None) -> None:
+        """Charge the time since `accrued_until` at `rate`, on the (scaled) billed clock.
 
-        A clock that went back (or an `accrued_until` ahead of it) is re-based on `now`: the
-        time in between may be charged twice, never skipped."""
+        `elapsed_s` is that time as the poller measured it on the monotonic clock, which no step of
+        the wall clock moves; without it (a restart: nothing else spans one), the wall clock's.
+        A wall clock that went back (or an `accrued_until` ahead of it) is re-based on `now`."""
         if self.accrued_until is not None and rate is not None and billing:
-            hours = max(0.0, now - self.accrued_until) * time_scale / 3600.0
+            seconds = max(0.0, now - self.accrued_until) if elapsed_s is None else elapsed_s
+            hours = seconds * time_scale / 3600.0
             self.spent_usd += rate * hours
             self.hours_elapsed += hours
             for part in self.parts.values():
@@ -154,13 +163,15 @@ class Ledger:
         self.accrued_until = now
 
     # --- several hosts ----------------------------------------------------------------------
-    def update_parts(self, answers: dict[str, Instance], missing: dict[str, str]) -> Instance:
+    def update_parts(self, answers: dict[str, Instance], missing: dict[str, str]) -> tuple[Instance, bool]:
         """Record one poll of every instance of a run on several hosts (before record_success) and
         return the group as one instance: the sum of the billing instances' prices, a missing one
-        at its last price. ValueError when a missing instance has never been priced."""
+        at its last price; and whether the set of billing instances changed (a lower sum is then
+        taken, not suspected). ValueError when a missing instance has never been priced."""
         unknown = [f"{iid}: {why}" for iid, why in missing.items() if iid not in self.parts]
         if unknown:
             raise ValueError(f"no price known yet for instance {'; '.join(unknown)}")
+        billing_before = {iid for iid, p in self.parts.items() if p.get("billing")}
         for iid, inst in answers.items():
             part = self.parts.setdefault(iid, {"spent_usd": 0.0, "hours_elapsed": 0.0, "rate_usd_per_hr": None,
                                                 "billing": False})
@@ -182,13 +193,12 @@ class Ledger:
         # One unusable price makes the sum unusable: the ledger's price checks then name it.
         bad = next((x for x in prices if x is None or not math.isfinite(x) or x <= 0), False)
         first = billing[0] if billing else parts[0]
+        billing_now = {iid for iid, p in self.parts.items() if p.get("billing")}
         return Instance(
             id=",".join(self.parts), status=first["status"], raw_status=first["status"],
             price_usd_per_hr=sum(prices) if bad is False else bad, uptime_seconds=None,
-            # The types of the billing instances: one stopping is a change of type, so the lower sum
-            # it brings is taken, not suspected.
             instance_type="+".join(str(p["instance_type"]) for p in (billing or parts)), region=None,
-        )
+        ), bool(self.first_seen is not None and billing_before != billing_now)
 
     def note_missing_parts(self, missing: dict[str, str]) -> None:
         """After record_success: instances the provider did not answer for count as failed polls."""
@@ -198,7 +208,17 @@ class Ledger:
         self.poll_failures_total += 1
         self.last_error = "; ".join(f"instance {iid}: {why}" for iid, why in missing.items())
 
-    def _price(self, inst: Instance | None, static_rate: float | None) -> float:
+    def note_wrong_record(self, what: str) -> None:
+        """A poll answered with a record that is not this instance's (another id): a failed poll,
+        already counted, and stale at once. Call after record_failure (or note_missing_parts)."""
+        trusted = self.trusted_rate_usd_per_hr
+        note = f"{what}: a bad answer, not this instance's price" + (
+            f"; counting at the last trusted ${trusted:.4f}/h" if trusted is not None else "")
+        if note != self.rate_note:
+            log.error("%s; budget.json says stale until the instance's own record comes", note)
+        self.rate_note = note
+
+    def _price(self, inst: Instance | None, static_rate: float | None, members_changed: bool = False) -> float:
         """The rate to count at for this poll, and the bookkeeping of the trusted price (see the
         module docstring). ValueError when there is no price to count at all."""
         if inst is None:  # static: the operator's setting
@@ -213,7 +233,10 @@ class Ledger:
             problem = "no usable price"
         elif reported <= 0:
             problem = f"a price of ${reported:.4f}/h"
-        elif trusted is not None and reported < trusted and not new_type:
+        elif trusted is not None and reported < trusted and new_type and not members_changed:
+            problem = (f"${reported:.4f}/h under another instance type ({inst.instance_type}), lower than the last "
+                       f"trusted ${trusted:.4f}/h of {self.instance_type}: a running instance does not change type")
+        elif trusted is not None and reported < trusted and not members_changed:
             problem = (f"${reported:.4f}/h, lower than the last trusted ${trusted:.4f}/h with no change of "
                        f"instance type ({self.instance_type or 'not reported'})")
         else:
@@ -221,7 +244,7 @@ class Ledger:
                 log.warning("the provider's price rose from $%.4f/h to $%.4f/h: counting at the new price now",
                             trusted, reported)
             elif trusted is not None and reported < trusted:
-                log.warning("instance type changed from %s to %s: its price $%.4f/h is taken",
+                log.warning("the instances billing changed (%s to %s): their price $%.4f/h is taken",
                             self.instance_type, inst.instance_type, reported)
             self.trusted_rate_usd_per_hr, self.rate_note = reported, None
             return reported
@@ -234,9 +257,12 @@ class Ledger:
         return trusted
 
     def record_success(self, now: float, inst: Instance | None, *, time_scale: float, static_rate: float | None = None,
-                       initial_hours: float = 0.0) -> None:
-        """A poll that answered. `inst` None means the static provider (rate `static_rate`)."""
-        rate = self._price(inst, static_rate)
+                       initial_hours: float = 0.0, elapsed_s: float | None = None,
+                       members_changed: bool = False) -> None:
+        """A poll that answered. `inst` None means the static provider (rate `static_rate`);
+        `elapsed_s` the monotonic seconds since the last charge (see _accrue); `members_changed`:
+        several hosts, and the set of billing instances is not the last poll's."""
+        rate = self._price(inst, static_rate, members_changed)
         billing_now = True if inst is None else inst.status in BILLING_STATUSES
         if self.first_seen is None:
             self.first_seen = now
@@ -256,14 +282,14 @@ class Ledger:
             else:
                 # A pod without runtime (starting, stopped, interrupted): its run, if any, is over.
                 self._close_runpod_run()
-                self._accrue(now, time_scale, interval_rate, self.billing)
+                self._accrue(now, time_scale, interval_rate, self.billing, elapsed_s)
         else:
-            self._accrue(now, time_scale, interval_rate, self.billing or billing_now)
+            self._accrue(now, time_scale, interval_rate, self.billing or billing_now, elapsed_s)
         self.rate_usd_per_hr = rate
         self.billing = billing_now
         self.instance_status = "running" if inst is None else inst.status
-        if inst is not None and inst.instance_type:
-            self.instance_type = inst.instance_type
+        if inst is not None and inst.instance_type and self.rate_note is None:
+            self.instance_type = inst.instance_type  # a suspect reading keeps the trusted type
         self.consecutive_failures = 0
         self.last_success = now
         self.last_error = None
@@ -287,9 +313,9 @@ class Ledger:
         self.hours_elapsed = max(self.hours_elapsed, self.finished_runs_hours + self.run_hours)
         self.accrued_until = now
 
-    def record_failure(self, now: float, error: str, *, time_scale: float) -> None:
+    def record_failure(self, now: float, error: str, *, time_scale: float, elapsed_s: float | None = None) -> None:
         """A poll that did not answer: spend keeps rising at the last known rate."""
-        self._accrue(now, time_scale, self.rate_usd_per_hr, self.billing)
+        self._accrue(now, time_scale, self.rate_usd_per_hr, self.billing, elapsed_s)
         self.consecutive_failures += 1
         self.poll_failures_total += 1
         self.last_error = error

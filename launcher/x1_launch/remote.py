@@ -6,6 +6,8 @@ all on the pod's persistent volume:
 
     /workspace/x1/          the repository (its tracked files), .env (mode 600)
     /workspace/x1-boot.sh   starts the stack; a RunPod pod runs it again at every resume (cloud.BOOT_SCRIPT)
+    /workspace/venv/        the stack's Python with the measured torch (TORCH_VERSION, TORCH_CUDA of
+                            .env: 2.11.0, CUDA 13.0), made once: a resumed pod finds it in place
     /workspace/ws/          data/, checkpoints/, mlruns/, logs/, budget.json, run/
 
 Two ways to run the stack, as docs/DEPLOY.md describes: `processes` (`python -m x1_pretrain.stack`,
@@ -25,6 +27,9 @@ from typing import Any
 from x1_launch.ssh import Remote, SSHError
 
 STACKS = ("processes", "compose")
+# The torch the trainer image pins and every GPU figure was measured on (compose.yaml's
+# TORCH_VERSION and TORCH_CUDA defaults); .env's values, when set, win.
+TORCH_PIN = ("2.11.0", "13.0")
 SERVICES = ("trainer", "watchdog", "budget-sidecar", "mlflow-server", "prometheus", "stack", "boot")
 # Folders never copied: environments, caches, local runs.
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", "node_modules",
@@ -66,15 +71,28 @@ class Layout:
     def logs(self) -> str:
         return posixpath.join(self.workspace, "logs")
 
+    @property
+    def venv(self) -> str:
+        """The stack's virtual environment (processes): on the volume beside the repository, so the
+        container disk a pod stop wipes holds none of it (docs/DEPLOY.md section 9: /workspace/venv)."""
+        return posixpath.join(posixpath.dirname(self.repo.rstrip("/")), "venv")
+
+    @property
+    def interpreter(self) -> str:
+        return posixpath.join(self.venv, "bin", "python") if self.stack == "processes" else "python3"
+
     def python(self, module_args: str) -> str:
         """A module of the project run from the copied source tree (its folders on PYTHONPATH)."""
         path = ":".join(posixpath.join(self.repo, d) for d in ("", "trainer", "budget-sidecar", "watchdog"))
-        return f"cd {shlex.quote(self.repo)} && PYTHONPATH={shlex.quote(path.replace('/:', ':'))} python3 -m {module_args}"
+        return (f"cd {shlex.quote(self.repo)} && PYTHONPATH={shlex.quote(path.replace('/:', ':'))} "
+                f"{shlex.quote(self.interpreter)} -m {module_args}")
 
 
-def boot_script(layout: Layout) -> str:
+def boot_script(layout: Layout, torch: tuple[str, str] = TORCH_PIN) -> str:
     """The stack's start, as a script: `x1 launch` runs it, and a resumed RunPod pod again (its
-    start command). Installs the Python packages where the image lacks them, prepares the data
+    start command). Processes: makes the virtual environment on the volume once, with torch at
+    `torch` (release, CUDA: .env's TORCH_VERSION and TORCH_CUDA, the trainer image's pin, checked
+    by trainer/torch_pin.py as the image build does) and the stack's packages, prepares the data
     once, then starts the stack detached. Its output goes to WS/logs/boot.log, its exit code to
     WS/logs/boot.exit."""
     ws, repo = shlex.quote(layout.workspace), shlex.quote(layout.repo)
@@ -90,8 +108,15 @@ def boot_script(layout: Layout) -> str:
                    "\"import json, sys; sys.exit(0 if json.load(sys.stdin).get('running') else 1)\"")
         start = (f"({running}) && echo 'boot: the stack is already running' || ("
                  + layout.python(f"x1_pretrain.stack up -d --env-file .env --workspace {ws}") + ")")
-        install = (f"python3 -c 'import fastapi, httpx, mlflow, prometheus_client, safetensors, tiktoken, yaml' "
-                   f"2>/dev/null || (cd {repo} && python3 -m pip install -q '.[trainer,sidecar,watchdog,mlflow]')")
+        venv, py = shlex.quote(layout.venv), shlex.quote(layout.interpreter)
+        version, cuda = (shlex.quote(x) for x in torch)
+        pin = f"{py} {repo}/trainer/torch_pin.py --version {version} --cuda {cuda}"
+        # The image's own packages are seen (--system-site-packages) where they already fit; the
+        # rest goes into the venv on the volume, once: a resume finds it all in place.
+        install = (f"(test -x {py} || python3 -m venv --system-site-packages {venv}) && "
+                   f"({pin} || ({py} -m pip install -q torch=={version} && {pin})) && "
+                   f"({py} -c 'import fastapi, httpx, mlflow, prometheus_client, safetensors, tiktoken, yaml' "
+                   f"2>/dev/null || (cd {repo} && {py} -m pip install -q '.[trainer,sidecar,watchdog,mlflow]'))")
         prepare = (f"test -f {ws}/data/tokenized/meta.json || ("
                    + layout.python(f"x1_pretrain.stack prepare --env-file .env --workspace {ws}") + ")")
     return f"""#!/bin/bash
@@ -115,9 +140,10 @@ exit "$code"
 """
 
 
-def put_boot_script(remote: Remote, layout: Layout) -> None:
+def put_boot_script(remote: Remote, layout: Layout, torch: tuple[str, str] = TORCH_PIN) -> None:
     path = shlex.quote(layout.boot_script)
-    remote.run(f"cat > {path}.tmp && chmod 755 {path}.tmp && mv -f {path}.tmp {path}", input=boot_script(layout).encode())
+    remote.run(f"cat > {path}.tmp && chmod 755 {path}.tmp && mv -f {path}.tmp {path}",
+               input=boot_script(layout, torch).encode())
 
 
 def start_stack(remote: Remote, layout: Layout) -> None:

@@ -68,9 +68,10 @@ class Remote:
     def wait(self, timeout: float, every: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
         while not self.reachable():
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise SSHError(f"ssh {self.target}: no answer after {timeout:g} s")
-            time.sleep(every)
+            time.sleep(min(every, left))
 
     def put_files(self, root: Path, names: Iterable[str], remote_dir: str, timeout: float = 600) -> int:
         """The files `names` (relative to `root`) into `remote_dir`, as one tar stream; returns bytes sent."""

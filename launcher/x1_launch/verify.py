@@ -25,12 +25,13 @@ class Verdict:
     text: str
 
 
-def recorded_band(run_dir: Path) -> tuple[float, float]:
+def recorded_band(run_dir: Path) -> tuple[float, float] | None:
+    """The band dod used on the instance, for a folder whose manifest declares none (older runs)."""
     try:
         band = json.loads((run_dir / "dod.json").read_text(encoding="utf-8"))["band"]
         return float(band[0]), float(band[1])
     except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return dod.DEFAULT_BAND
+        return None
 
 
 def weights_check(run_dir: Path, manifest: dict[str, Any] | None) -> dod.Check:
@@ -58,11 +59,12 @@ def weights_check(run_dir: Path, manifest: dict[str, Any] | None) -> dod.Check:
 
 def verify_run(run_dir: Path, band: tuple[float, float] | list[float] | None, termination_pending: bool) -> Verdict:
     """dod's checks on the folder; with `termination_pending`, check 6 may be pending (exit 3)."""
-    lo_hi = (float(band[0]), float(band[1])) if band is not None else recorded_band(run_dir)
+    flag = (float(band[0]), float(band[1])) if band is not None else recorded_band(run_dir)
     manifest, problem = dod._load_manifest(run_dir)
+    judged, note = dod.judged_band(manifest, flag)
     checks = [
         dod.check_manifest(manifest, problem),
-        dod.check_val_loss(manifest, lo_hi),
+        dod.check_val_loss(manifest, judged, note),
         weights_check(run_dir, manifest),
         dod.check_spend(run_dir, manifest, None),
         dod.check_postmortem(run_dir),
@@ -71,7 +73,7 @@ def verify_run(run_dir: Path, band: tuple[float, float] | list[float] | None, te
     if termination_pending:
         checks = [dod.mark_pending(c) if c.number == dod.TERMINATION_CHECK else c for c in checks]
     ok = all(c.ok or c.pending for c in checks)
-    return Verdict(ok, f"dod on {run_dir} (band {lo_hi[0]:g}-{lo_hi[1]:g}):\n{dod.render(checks)}")
+    return Verdict(ok, f"dod on {run_dir} (band {judged.low:g}-{judged.high:g}, {judged.source}):\n{dod.render(checks)}")
 
 
 def add_termination(run_dir: Path, record: dict[str, Any]) -> str:

@@ -116,6 +116,14 @@ class ModelConfig(_Section):
         return self.d_model // self.n_head
 
     @property
+    def family(self) -> str:
+        """What a smaller model of the same family shares with this one, in words (a scaling ladder's
+        provenance): the block, the head grouping, the SwiGLU and depth-to-width ratios."""
+        groups = self.n_head // self.n_kv_head
+        return (f"decoder {self.norm}/{self.act}/{self.pos_enc}/tied, {groups} query heads per kv head, "
+                f"d_ff/d_model {self.d_ff / self.d_model:.3f}, d_model/n_layer {self.d_model / self.n_layer:.0f}")
+
+    @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_to_multiple_of
         return (self.vocab_size + m - 1) // m * m
@@ -338,6 +346,8 @@ class TrackingConfig(_Section):
                             json_schema_extra=flag("--mlflow-uri"))
     experiment: str = Field("x1-pretraining", description="MLflow experiment name")
     run_name: str | None = Field(None, description="MLflow run name; default: config name + start time")
+    parent_run_id: str | None = Field(None, description="MLflow run this one is a child of (a scaling ladder's rungs "
+                                      "are children of the ladder's run)")
     metrics_port: int = Field(9791, ge=0, le=65535, description="Prometheus /metrics; 0 disables",
                               json_schema_extra=flag("--metrics-port", "ops"))
     metrics_host: str = Field("127.0.0.1", description="address /metrics listens on; 0.0.0.0 inside a container",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from x1_common.alerts import AlertSender
 from x1_common.contracts import WATCHDOG_METRICS_PORT, ExitCode
+from x1_common.fsutil import WriteHealth
 from x1_common.lease import Lease, LeaseError, LeaseHeld, LeaseKind
 from x1_common.logs import setup_logging
 from x1_common.providers import PROVIDERS, api_key_from_env, make_client
@@ -67,8 +68,13 @@ modes:
 Every decision is a JSON line in --events-file ("event": start, exit, relaunch, stall, give_up,
 startup_failure, terminate, unhealthy, healthy). Prometheus on --port: x1_watchdog_restarts_total{reason},
 x1_watchdog_trainer_up, x1_watchdog_downtime_seconds_total, x1_watchdog_healthy,
-x1_watchdog_docker_engine_info. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY;
-alerts from SLACK_WEBHOOK_URL / SMTP_* (x1_common.alerts); none of them is ever logged.
+x1_watchdog_docker_engine_info, x1_watchdog_write_failing, x1_watchdog_write_error_info. A state or
+events file that cannot be written (a full or read-only disk) stops nothing: from its first failed
+write the watchdog is unhealthy, naming the path and the cause, alerts once, and writes again at
+its next decision. Stall detection runs on the monotonic clock: a heartbeat's age is the time since
+the watchdog first saw it, so a wall clock stepped back or forward neither hides a stall nor makes
+one. Provider API keys come from LAMBDA_API_KEY / RUNPOD_API_KEY; alerts from SLACK_WEBHOOK_URL /
+SMTP_* (x1_common.alerts); none of them is ever logged.
 
 example (process mode):
   python -m x1_watchdog --mode process --heartbeat-file /workspace/logs/heartbeat.json \\
@@ -83,8 +89,10 @@ example (provider mode, on your machine; LAMBDA_API_KEY in the environment):
 EPILOG = """\
 exit codes: the trainer's final code (0 finished, 2 bad config, 76/77 budget stop, 80 forecast stop, 78 launch
 refused, 79 diverged); after a give-up, the last trainer code; 81 after a start-up failure (the
-same error twice before the first step); 75 after a forwarded SIGTERM; 2 for a usage error of
-the watchdog itself. Provider mode: 0 once the instance is terminated
+same error twice before the first step); 82 when --terminate-on-finish sent the terminate and the
+provider still listed the instance as not terminated after --terminate-confirm-seconds (it is
+still billing: alerted; a restarted watchdog reads it back and sends again); 75 after a forwarded
+SIGTERM; 2 for a usage error of the watchdog itself. Provider mode: 0 once the instance is terminated
 (or on SIGTERM/SIGINT), 1 after a give-up (bring-backs that keep failing count too), 2 when
 the API key is refused or the instance does not exist.
 """
@@ -146,12 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("provider (--terminate-on-finish and provider mode)")
     g.add_argument("--terminate-on-finish", action="store_true",
-                   help="after exit 0, 76, 77, 79 or 80: terminate the instance and write the answer to --termination-file")
+                   help="after exit 0, 76, 77, 79 or 80: terminate the instance, read it back until the provider shows it "
+                        "terminated, and write what was sent and observed to --termination-file")
+    g.add_argument("--terminate-confirm-seconds", type=float, default=900.0,
+                   help="--terminate-on-finish: how long to read the instance back (and send the terminate again every "
+                        "minute) before it is reported still billing and the watchdog exits 82 (default 900)")
     g.add_argument("--provider", choices=PROVIDERS)
     g.add_argument("--api-url", help="the provider's base URL (default: the real API)")
     g.add_argument("--instance-id", help="the instance (Lambda) or pod (RunPod) id")
     g.add_argument("--termination-file", type=Path, default=Path("/workspace/logs/termination.json"),
-                   help="where --terminate-on-finish writes the provider's answer (default %(default)s)")
+                   help="where --terminate-on-finish writes what it sent and observed (default %(default)s)")
     g.add_argument("--keep-run-dir", type=Path, metavar="DIR",
                    help="--terminate-on-finish: storage that outlives the instance (a Lambda persistent filesystem, "
                         "a RunPod network volume). The run folder is copied there and verified before the terminate; "
@@ -199,7 +211,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, command: li
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0:
             p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
-    for name in ("check_seconds", "poll_seconds", "recover_timeout_seconds"):
+    for name in ("check_seconds", "poll_seconds", "recover_timeout_seconds", "terminate_confirm_seconds"):
         value = getattr(args, name)
         if not math.isfinite(value) or value <= 0:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -274,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(f"alert settings: {e}")
     setup_logging()
+    # Both record files report their failed writes here; /metrics and the alert are wired below.
+    writes = WriteHealth(log)
 
     try:
         ensure_writable_dir(args.state_file, "--state-file")
@@ -286,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         # previous watchdog's leftover and stop it. Taken before the file is read (or reset), held
         # until this process exits.
         Lease.for_file(args.state_file, LeaseKind.WATCHDOG).acquire()
-        state = StateStore(args.state_file, fresh=args.reset_state, total_steps=args.total_steps)
-        events = EventLog(args.events_file)
+        state = StateStore(args.state_file, fresh=args.reset_state, total_steps=args.total_steps, writes=writes)
+        events = EventLog(args.events_file, writes=writes)
     except (StateError, OSError, LeaseHeld, LeaseError) as e:
         log.error("%s", e)
         return ExitCode.USAGE
@@ -301,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                      old_total_steps=cleared.get("total_steps"), new_total_steps=args.total_steps)
     metrics = WatchdogMetrics()
     events.on_write = metrics.last_decision
+    writes.on_change = metrics.write_error
+    writes.on_first = lambda error: alerter.send(
+        "watchdog-write-failing", f"watchdog cannot write its records: {error[:200]}",
+        f"{error}\nThe watchdog goes on supervising the trainer and writes again at its next decision; its "
+        "decisions since are in its log only. Free space (or remount read-write) on that disk.", {"error": error})
+    metrics.write_error(writes.last_error)  # a write that failed before /metrics existed
     if state.final is not None:  # a decision taken by an earlier watchdog: shown until a new one
         metrics.last_decision({"event": "final", **state.final})
     metrics.serve(args.port, args.metrics_host)
@@ -327,11 +347,13 @@ def main(argv: list[str] | None = None) -> int:
                                 state, events, metrics, alerter, stop, args.recover_timeout_seconds)
         return keeper.run()
 
-    on_final: Callable[[int, str], None] = lambda code, reason: None  # noqa: E731
+    on_final: Callable[[int, str], int | None] = lambda code, reason: None  # noqa: E731
     if args.terminate_on_finish:
         client = make_client(args.provider, args.api_url, api_key_from_env(args.provider))
+        confirm = args.terminate_confirm_seconds
         on_final = Terminator(client, args.provider, args.instance_id, args.termination_file, state, events, alerter,
-                              run_dir=args.run_dir, keep_dir=args.keep_run_dir)
+                              run_dir=args.run_dir, keep_dir=args.keep_run_dir, confirm_seconds=confirm,
+                              resend_every_s=min(60.0, confirm / 4), read_every_s=min(5.0, confirm / 20))
         if args.run_dir is not None and args.keep_run_dir is None:
             log.warning("--terminate-on-finish without --keep-run-dir: the run folder %s would die with the instance, "
                         "so the terminate at the end will be refused (set RESULTS_DIR)", args.run_dir)
@@ -353,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     except StartError as e:
         log.error("%s", e)
         return ExitCode.USAGE
+    if code == ExitCode.TERMINATE_UNCONFIRMED:
+        # Not held: the restart that follows (compose's unless-stopped, the stack's runner) reads the
+        # instance back and sends the terminate again.
+        log.error("exiting %d: the instance %s may still bill (see the alert and %s)", code, args.instance_id,
+                  args.termination_file)
+        return code
     if args.hold_after_final and state.final is not None:
         hold(stop, code)
     return code

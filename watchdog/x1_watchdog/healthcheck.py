@@ -1,7 +1,8 @@
 """`python -m x1_watchdog.healthcheck [URL]`: compose's healthcheck of the watchdog.
 
 Exit 0 when the watchdog's /metrics answers and says it can supervise its trainer
-(x1_watchdog_healthy 1); 1 otherwise, with the reason on stderr. A watchdog that cannot reach the
+(x1_watchdog_healthy 1); 1 otherwise, with the reason on stderr (a failing write: its path and
+cause). A watchdog that cannot reach the
 Docker Engine stays up and says so here, instead of exiting into a restart loop.
 """
 
@@ -12,7 +13,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from x1_common.contracts import M_WATCHDOG_HEALTHY, WATCHDOG_METRICS_PORT
+from x1_common.contracts import M_WATCHDOG_HEALTHY, M_WATCHDOG_WRITE_ERROR, WATCHDOG_METRICS_PORT
 
 DEFAULT_URL = f"http://127.0.0.1:{WATCHDOG_METRICS_PORT}/metrics"
 
@@ -23,11 +24,15 @@ def healthy(url: str, timeout: float = 5.0) -> tuple[bool, str]:
             text = resp.read().decode("utf-8")
     except OSError as e:
         return False, f"{url}: {e}"
+    value, write_error = None, ""
     for family in text_string_to_metric_families(text):
         if family.name == M_WATCHDOG_HEALTHY:
             value = family.samples[0].value
-            return value == 1, f"{M_WATCHDOG_HEALTHY} {value:g}"
-    return False, f"{url} has no {M_WATCHDOG_HEALTHY}"
+        elif family.name in (M_WATCHDOG_WRITE_ERROR, M_WATCHDOG_WRITE_ERROR + "_info"):
+            write_error = family.samples[0].labels.get("error", "")
+    if value is None:
+        return False, f"{url} has no {M_WATCHDOG_HEALTHY}"
+    return value == 1, f"{M_WATCHDOG_HEALTHY} {value:g}" + (f": {write_error}" if write_error else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,8 @@ from x1_common.contracts import (
     M_WATCHDOG_LAST_DECISION,
     M_WATCHDOG_RESTARTS,
     M_WATCHDOG_TRAINER_UP,
+    M_WATCHDOG_WRITE_ERROR,
+    M_WATCHDOG_WRITE_FAILING,
 )
 
 log = logging.getLogger(__name__)
@@ -45,10 +47,20 @@ class WatchdogMetrics:
         self._healthy = Gauge(
             M_WATCHDOG_HEALTHY,
             "1 while the watchdog can supervise its trainer, 0 while it cannot reach it "
-            "(docker mode: the Engine socket missing or refused, an unsupported Engine API version).",
+            "(docker mode: the Engine socket missing or refused, an unsupported Engine API version) or cannot "
+            "write its state or events file (x1_watchdog_write_error_info says why).",
             registry=self.registry,
         )
         self._healthy.set(1)
+        self._reachable = True
+        self._write_error: str | None = None
+        self._write_failing = Gauge(
+            M_WATCHDOG_WRITE_FAILING, "1 while the watchdog cannot write its state or events file (a full or read-only "
+            "disk); x1_watchdog_healthy is 0 meanwhile.", registry=self.registry)
+        self._write_error_info = Info(
+            M_WATCHDOG_WRITE_ERROR, "the failing write: the path and the cause (empty while writes succeed).",
+            registry=self.registry)
+        self._write_error_info.info({"error": ""})
         self._engine = Info(
             M_WATCHDOG_DOCKER_ENGINE, "docker mode: the Engine's release, the API versions it serves, the one spoken.",
             registry=self.registry,
@@ -88,7 +100,16 @@ class WatchdogMetrics:
         self._up.set(1 if up else 0)
 
     def set_healthy(self, healthy: bool) -> None:
-        self._healthy.set(1 if healthy else 0)
+        """Whether the watchdog can reach its trainer. Healthy is that, and every write succeeding."""
+        self._reachable = healthy
+        self._healthy.set(1 if self._reachable and self._write_error is None else 0)
+
+    def write_error(self, error: str | None) -> None:
+        """The watchdog's failing write (x1_common.fsutil.WriteHealth.last_error), None once they succeed."""
+        self._write_error = error
+        self._write_failing.set(0 if error is None else 1)
+        self._write_error_info.info({"error": (error or "")[:300]})
+        self.set_healthy(self._reachable)
 
     def docker_engine(self, engine: Any) -> None:
         """docker mode, after each negotiation (an x1_watchdog.docker.Engine)."""

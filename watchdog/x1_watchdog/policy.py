@@ -8,6 +8,8 @@ import logging
 import math
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,73 +49,105 @@ class RestartPolicy:
         return min(self.backoff_base_seconds * 2**exponent, self.backoff_max_seconds)
 
 
-class StallDetector:
-    """A trainer is stalled when, after its startup grace, its newest heartbeat is older than
-    `stall_seconds` — or it has never written one.
+class OwnBeats:
+    """Which heartbeats are the current trainer's, told without trusting the wall clock.
 
-    A heartbeat counts only if it was written after the current trainer started: the previous
-    process's last heartbeat must not vouch for a new one that hangs in its imports. The grace
-    covers start-up only (imports, data checks, a long `torch.compile`: phases "startup" and
-    "compiling"); once the trainer has beaten from its loop, a stale heartbeat is a stall at once.
+    The previous process's last beat must not vouch for a new one that hangs in its imports. A
+    beat is the current trainer's when it is not the beat that was on disk at the start (`arm`),
+    or when it is dated at or after the trainer's wall-clock start (a trainer adopted in docker
+    mode beat before the watchdog came). A wall clock stepped back makes the new trainer's beats
+    older than its start: they still count, being new."""
 
-    A heartbeat's `time` is the trainer's word, and a beat dated in the future (a wrong clock, a
-    damaged file) would otherwise never age: such a beat is aged from the moment this watchdog
-    first saw it, so a trainer that froze after writing it is still found stalled. (A time that
-    is not a finite number makes the beat unreadable: no heartbeat at all.)
-    """
-
-    def __init__(self, heartbeat_file: str | os.PathLike[str], stall_seconds: float, startup_grace_seconds: float):
+    def __init__(self, heartbeat_file: str | os.PathLike[str]) -> None:
         self.heartbeat_file = Path(heartbeat_file)
-        self.stall_seconds = stall_seconds  # 0 disables stall detection
-        self.startup_grace_seconds = startup_grace_seconds
         self._started_at = 0.0
-        self._future_beat: Heartbeat | None = None  # the last future-dated beat seen, and when
-        self._future_seen_at = 0.0
+        self._before: Heartbeat | None = None  # the beat on disk at the start
 
     def arm(self, started_at: float) -> None:
         """Called at each trainer start, with the wall-clock start time."""
         self._started_at = started_at
-        self._future_beat = None
+        self._before = Heartbeat.read(self.heartbeat_file)
+
+    def read(self) -> Heartbeat | None:
+        beat = Heartbeat.read(self.heartbeat_file)
+        if beat is None or (beat == self._before and beat.time < self._started_at):
+            return None
+        return beat
+
+
+class StallDetector:
+    """A trainer is stalled when, after its startup grace, its heartbeat has not changed for
+    `stall_seconds` — or it has never written one.
+
+    Every duration here is measured on `clock`, the monotonic clock: the grace from the moment the
+    trainer was started (`arm`), a beat's age from the moment this watchdog first saw that beat.
+    A beat's own `time` is the trainer's word and its wall clock's, and a wall clock stepped back
+    or forward (NTP, a suspended VM) must neither switch stall detection off nor stall a healthy
+    trainer; a beat dated in the future (a wrong clock, a damaged file) ages like any other. The
+    trainer beats at every log step and checkpoint, and the watchdog reads the file every
+    --check-seconds, so "first seen" is within a check of "written". (A time that is not a finite
+    number makes the beat unreadable: no heartbeat at all.)
+
+    The grace covers start-up only (imports, data checks, a long `torch.compile`: phases "startup"
+    and "compiling"); once the trainer has beaten from its loop, a beat older than the limit is a
+    stall at once. Only the current trainer's beats count (OwnBeats).
+    """
+
+    def __init__(self, heartbeat_file: str | os.PathLike[str], stall_seconds: float, startup_grace_seconds: float,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.heartbeat_file = Path(heartbeat_file)
+        self.stall_seconds = stall_seconds  # 0 disables stall detection
+        self.startup_grace_seconds = startup_grace_seconds
+        self.clock = clock
+        self.wall = wall  # only to say that a beat is dated in the future
+        self.own = OwnBeats(heartbeat_file)
+        self._armed_at = clock()
+        self._beat: Heartbeat | None = None  # the last beat seen, and when (on `clock`) it was first seen
+        self._seen_at = 0.0
+
+    def arm(self, started_at: float) -> None:
+        """Called at each trainer start, with the wall-clock start time (OwnBeats)."""
+        self.own.arm(started_at)
+        self._armed_at = self.clock()
+        self._beat = None
 
     def own_heartbeat(self) -> Heartbeat | None:
-        beat = Heartbeat.read(self.heartbeat_file)
-        return beat if beat is not None and beat.time >= self._started_at else None
+        return self.own.read()
 
-    def beat_time(self, beat: Heartbeat, now: float) -> float:
-        """When `beat` counts as written: its own time, or for a beat dated past `now` (beyond the
-        clock skew) when first seen, the time this watchdog first saw that very beat."""
-        if beat == self._future_beat:  # seen in the future once: aged from then, even after the clock catches up
-            return self._future_seen_at
-        if beat.time <= now + CLOCK_SKEW_S:
-            return beat.time
-        if beat != self._future_beat:
-            self._future_beat, self._future_seen_at = beat, now
-            log.warning("heartbeat %s is dated %.0f s in the future (step %d, phase %s): aging it from now",
-                        self.heartbeat_file, beat.time - now, beat.step, beat.phase)
-        return self._future_seen_at
+    def _age(self, beat: Heartbeat, now: float) -> float:
+        if beat != self._beat:
+            self._beat, self._seen_at = beat, now
+            if beat.time > self.wall() + CLOCK_SKEW_S:
+                log.warning("heartbeat %s is dated %.0f s in the future (step %d, phase %s): aged from now, as any beat",
+                            self.heartbeat_file, beat.time - self.wall(), beat.step, beat.phase)
+        return now - self._seen_at
 
-    def check(self, now: float) -> str | None:
+    def check(self) -> str | None:
         """None while healthy, else a sentence saying why the trainer counts as stalled."""
         if self.stall_seconds <= 0:
             return None
+        now = self.clock()
         beat = self.own_heartbeat()
         starting = beat is None or beat.phase in STARTUP_PHASES
-        if starting and now - self._started_at <= self.startup_grace_seconds:
+        if starting and now - self._armed_at <= self.startup_grace_seconds:
+            if beat is not None:
+                self._age(beat, now)  # seen now: a beat first seen later would look younger than it is
             return None
         if beat is None:
             return f"no heartbeat in {self.heartbeat_file} within the {self.startup_grace_seconds:g} s startup grace"
-        age = now - self.beat_time(beat, now)
+        age = self._age(beat, now)
         if age > self.stall_seconds:
-            future = " (dated in the future: aged from when it was first seen)" if beat == self._future_beat else ""
+            future = " (dated in the future by its writer's clock)" if beat.time > self.wall() + CLOCK_SKEW_S else ""
             return (
-                f"last heartbeat {age:.0f} s ago{future} (step {beat.step}, phase {beat.phase}), "
+                f"heartbeat unchanged for {age:.0f} s{future} (step {beat.step}, phase {beat.phase}), "
                 f"over the {self.stall_seconds:g} s stall limit"
             )
         return None
 
-    def heartbeat_age(self, now: float) -> float | None:
+    def heartbeat_age(self) -> float | None:
+        """Seconds (monotonic) since the current beat was first seen; None without one."""
         beat = self.own_heartbeat()
-        return None if beat is None else round(now - self.beat_time(beat, now), 3)
+        return None if beat is None else round(self._age(beat, self.clock()), 3)
 
 
 class LaunchProgress:
@@ -125,24 +159,24 @@ class LaunchProgress:
     checkpoints, so "its first step" is the first step it reports. The watchdog reads the file once
     a check (and once more after the exit); a launch whose start-up beat it never saw, only later
     ones, may have started lower than it can tell: that counts as progress, so in doubt today's
-    rules apply.
+    rules apply. Which beats are this launch's: OwnBeats (no wall-clock comparison alone).
     """
 
     def __init__(self, heartbeat_file: str | os.PathLike[str]) -> None:
         self.heartbeat_file = Path(heartbeat_file)
-        self._started_at = 0.0
+        self.own = OwnBeats(heartbeat_file)
         self._start_step: int | None = None  # the lowest step this launch beat in a start-up phase
         self._high: int | None = None  # the highest step this launch beat
 
     def arm(self, started_at: float) -> None:
         """Called at each trainer start, with the wall-clock start time."""
-        self._started_at = started_at
+        self.own.arm(started_at)
         self._start_step = self._high = None
         self.observe()  # an adopted trainer (docker mode) may have beaten already
 
     def observe(self) -> None:
-        beat = Heartbeat.read(self.heartbeat_file)
-        if beat is None or beat.time < self._started_at:  # none yet, or the previous trainer's
+        beat = self.own.read()
+        if beat is None:  # none yet, or the previous trainer's
             return
         if beat.phase in STARTUP_PHASES:
             self._start_step = beat.step if self._start_step is None else min(self._start_step, beat.step)

@@ -255,7 +255,7 @@ class InstanceKeeper:
             new_id = self.client.launch(instance_type, region, name=name, ssh_key_names=ssh_keys,
                                         file_system_names=file_systems, user_data=user_data_for(self.launch.user_data, name))
         except ProviderError as e:
-            if e.kind not in ("timeout", "server", "network"):
+            if not e.unclear:  # the API's own refusal: nothing was launched
                 raise
             found = self._find_launched(name)
             if found is None:

@@ -4,10 +4,16 @@ file (the decisions a restarted watchdog must honour).
 The events file is for people and the run's export: append-only, one fsync per line, so the
 last decision before a power cut is on disk. The state file is for the next watchdog: rewritten
 atomically, so a reboot mid-write leaves the old decision or the new one, never half of each.
+
+A write that fails (a full or read-only disk) never stops the supervision: an unsupervised
+trainer is worse than a gap. Both files report to one WriteHealth: from the first failed write
+the watchdog is unhealthy (x1_watchdog_healthy 0, x1_watchdog_write_error_info naming the path
+and the cause), alerts once, says it once in its log, and writes again at its next decision.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -18,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from x1_common.contracts import CLOCK_SKEW_S, finite_number, parse_json_strict, read_file_bytes, read_json_file
-from x1_common.fsutil import write_json_atomic
+from x1_common.fsutil import WriteHealth, disk_faults_named, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -43,27 +49,39 @@ def iso_time(t: float | None = None) -> str:
 class EventLog:
     """Appends `{"event": ..., "time": ..., **fields}` lines to a JSON-lines file."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], writes: WriteHealth | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.writes = writes or WriteHealth(log)
         self.on_write: Callable[[dict[str, Any]], None] = lambda record: None  # e.g. /metrics' last decision
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "time": iso_time(), **fields}
         line = json.dumps(record, sort_keys=False) + "\n"
+        data = line.encode("utf-8")
         try:
-            # O_APPEND: one write per line, so a reader tailing the file never sees half a line.
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode("utf-8"))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with disk_faults_named(self.path, need=len(data)):
+                append_line(self.path, data)
         except OSError as e:
             # A full disk must not kill the supervisor: an unsupervised trainer is worse than a gap.
-            log.error("event not written to %s (%s): %s", self.path, e, line.strip())
+            self.writes.failed(self.path, e, "the events from here are in this log only, until a write succeeds")
+            log.warning("event not written to %s: %s", self.path, line.strip())
+        else:
+            self.writes.succeeded(self.path)
         self.on_write(record)
         return record
+
+
+def append_line(path: Path, data: bytes) -> None:
+    """One line appended and fsynced. O_APPEND and one write: a reader tailing the file never
+    sees half a line (but a disk that fills mid-line can leave one, which read_events skips)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -122,12 +140,15 @@ class StateStore:
     `restarts_total` is recounted, and other fields of the wrong type are dropped.
     """
 
-    def __init__(self, path: str | os.PathLike[str], fresh: bool = False, total_steps: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], fresh: bool = False, total_steps: int | None = None,
+                 writes: WriteHealth | None = None) -> None:
         """`fresh` forgets whatever the file held (--reset-state) without reading it. `total_steps`:
         the run's planned total (--total-steps), kept with a final decision so that a re-plan can
-        be told from a restart of the same plan (clear_for_replan)."""
+        be told from a restart of the same plan (clear_for_replan). `writes`: where a failed write
+        is reported (the watchdog's health)."""
         self.path = Path(path)
         self.total_steps = total_steps
+        self.writes = writes or WriteHealth(log)
         if fresh:
             self.data = self._empty()
             self._save()
@@ -207,8 +228,12 @@ class StateStore:
         try:
             write_json_atomic(self.path, self.data)
         except OSError as e:
-            # Supervision goes on; a restarted watchdog would miss this decision, so say it loudly.
-            log.error("state file %s not written (%s); decisions since are in memory only", self.path, e)
+            # Supervision goes on; a restarted watchdog would miss this decision, so say it loudly
+            # (once: the next decision writes the whole state again).
+            self.writes.failed(self.path, e, "the old state file is kept; decisions since are in memory only, until "
+                                             "a write succeeds")
+        else:
+            self.writes.succeeded(self.path)
 
     # -- reading -------------------------------------------------------------------------------
 

@@ -123,7 +123,7 @@ class Supervisor:
         metrics: WatchdogMetrics,
         alerter: Alerter,
         stop: StopRequest,
-        on_final: Callable[[int, str], None] = lambda code, reason: None,
+        on_final: Callable[[int, str], int | None] = lambda code, reason: None,
     ) -> None:
         self.handle = handle
         self.detector = detector
@@ -134,9 +134,11 @@ class Supervisor:
         self.metrics = metrics
         self.alerter = alerter
         self.stop = stop
-        self.on_final = on_final  # after a final decision is persisted: e.g. terminate the instance
+        # After a final decision is persisted: e.g. terminate the instance. A code it returns is the
+        # watchdog's exit code instead of the trainer's (82: the terminate was not confirmed).
+        self.on_final = on_final
         self.progress = LaunchProgress(detector.heartbeat_file)  # has this launch completed a step?
-        self._unreachable_since: float | None = None  # wall time the trainer became unreachable
+        self._unreachable_since: float | None = None  # when (monotonic) the trainer became unreachable
         self._unreachable_detail = ""
 
     # -- the loop ------------------------------------------------------------------------------
@@ -150,8 +152,8 @@ class Supervisor:
                 "pass --reset-state to start a new run",
                 self.state.path, final.get("reason"), final["exit_code"], final.get("time"),
             )
-            self.on_final(final["exit_code"], str(final.get("reason")))
-            return int(final["exit_code"])
+            override = self.on_final(final["exit_code"], str(final.get("reason")))
+            return int(final["exit_code"]) if override is None else override
 
         # A state file with starts but no final decision: a run in progress whose watchdog was
         # restarted (reboot, compose). Its trainer must resume, not start over.
@@ -250,7 +252,7 @@ class Supervisor:
         detail = str(e)
         first = self._unreachable_since is None
         if first:
-            self._unreachable_since = time.time()
+            self._unreachable_since = time.monotonic()
             self.metrics.set_healthy(False)
         if first or detail != self._unreachable_detail:
             # Once per outage and per new cause, not once per poll.
@@ -265,7 +267,7 @@ class Supervisor:
     def _reachable(self) -> None:
         if self._unreachable_since is None:
             return
-        seconds = round(time.time() - self._unreachable_since, 3)
+        seconds = round(time.monotonic() - self._unreachable_since, 3)
         log.info("watchdog healthy again: %s answers (unreachable for %.0f s)", self.handle.label, seconds)
         self.events.write("healthy", trainer=self.handle.label, unreachable_seconds=seconds)
         self.alerter.send(
@@ -286,12 +288,12 @@ class Supervisor:
                 if not self.settings.forward_stop:
                     raise LeaveRunning()
                 return Outcome(self._forward_stop(), cause=None, stop_requested=True)
-            stalled = self.detector.check(time.time())
+            stalled = self.detector.check()
             if stalled:
                 log.error("trainer pid %s stalled: %s; terminating it", self.handle.pid, stalled)
                 self.events.write(
                     "stall", pid=self.handle.pid, reason="stall", detail=stalled,
-                    heartbeat_age_seconds=self.detector.heartbeat_age(time.time()), restart=self.state.restarts_total,
+                    heartbeat_age_seconds=self.detector.heartbeat_age(), restart=self.state.restarts_total,
                 )
                 return Outcome(self._terminate(), cause="stall", stop_requested=self.stop.requested)
             self.stop.wait(self.settings.check_seconds)
@@ -345,8 +347,8 @@ class Supervisor:
                 f"The trainer exited with code {ex.code} ({reason}). The watchdog will not relaunch it.",
                 {"exit_code": ex.code, "reason": reason},
             )
-        self.on_final(ex.code, reason)
-        return ex.code
+        override = self.on_final(ex.code, reason)
+        return ex.code if override is None else override
 
     def _startup_failure(self, outcome: Outcome) -> StartupFailure | None:
         """The launch as a start-up failure: it crashed (an exit code, not a signal nor 75; not a
@@ -381,8 +383,8 @@ class Supervisor:
         )
         reason = end_reason(code)  # startup-failure
         self.state.record_final(int(code), reason, trainer_exit_code=failure.exit_code, error=failure.error)
-        self.on_final(int(code), reason)
-        return int(code)
+        override = self.on_final(int(code), reason)
+        return int(code) if override is None else override
 
     def _give_up(self, outcome: Outcome) -> int:
         ex = outcome.exit

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from x1_common.contracts import format_utc, parse_json_strict, read_file_bytes, read_json_file, utc_now
-from x1_common.fsutil import fsync_dir, sha256_file, write_bytes_atomic, write_text_atomic
+from x1_common.fsutil import disk_fault, fsync_dir, sha256_file, write_bytes_atomic, write_text_atomic
 from x1_pretrain.checkpoint.weights import read_metadata, read_weights, weights_bytes
 from x1_pretrain.config import ConfigError, ModelConfig
 
@@ -95,6 +95,9 @@ class TrainerState:
     # Each change of train.total_steps on a resume (train.replan): step, old and new totals, when,
     # why, and the cosine's progress there (the schedule after it is re-targeted from that step).
     replans: list[dict[str, Any]] = field(default_factory=list)
+    # The band the run is judged on (x1_common.scaling.DeclaredBand), fixed before its first step:
+    # a resume keeps it whatever its flags say.
+    declared_band: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -129,7 +132,7 @@ _STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "mlflow_run_id": (str, type(None)), "world_size": (int,), "micro_batch_size": (int,), "rng": (dict,),
     "spike": (dict,), "forecast": (dict,), "probes": (dict,), "nonfinite_in_row": (int,), "train_seconds": (int, float),
     "run_started": (int, float), "restarts": (int,), "created_utc": (str,), "replans": (list,),
-    "run_id": (str,), "corpus": (dict,), "changes": (list,),
+    "run_id": (str,), "corpus": (dict,), "changes": (list,), "declared_band": (dict,),
 }
 _STATE_REQUIRED = ("step", "tokens_seen", "config_hash", "config", "sampler")
 _STATE_COUNTS = ("step", "tokens_seen", "world_size", "micro_batch_size", "nonfinite_in_row", "train_seconds",
@@ -298,10 +301,10 @@ class Checkpointer:
         return time.perf_counter() - t0
 
     def _write_error(self, e: OSError, what: str, need: int) -> CheckpointError:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return CheckpointSpaceError(
-                f"no space left on device at {self.root}, need {need / 1e9:.2f} GB for {what} "
-                f"({free_gb(self.root):.2f} GB free): {what} not written; the older checkpoints are untouched")
+        fault = disk_fault(e, self.root, need=need, what=what)
+        if fault is not None:  # full, over quota, read-only: x1_common's one line, then what it means here
+            kind = CheckpointSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else CheckpointError
+            return kind(f"{fault}: {what} not written; the older checkpoints are untouched")
         return CheckpointError(f"{what} not written to {self.root}: {e.strerror or e}")
 
     def check_space(self, need: int) -> None:

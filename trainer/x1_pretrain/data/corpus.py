@@ -1,8 +1,9 @@
-"""Real English text without a download: the docstrings of installed Python code, written as
-FineWeb-Edu-schema parquet for demos, tests and the tokenizer benchmark.
+"""Real text without a download: the docstrings (or the whole source) of installed Python code,
+written as FineWeb-Edu-schema parquet for demos, tests and the benchmarks.
 
     python -m x1_pretrain.corpus stdlib-docstrings --output DIR [--max-mb 25]
     python -m x1_pretrain.corpus installed-docstrings --output DIR --max-mb 25
+    python -m x1_pretrain.corpus installed-source --output DIR --max-mb 800
 
 `stdlib-docstrings` reads the standard library's source files with `ast` (importing them could
 have side effects) plus the language-reference topics shipped as `pydoc_data`: one document per
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import math
 import os
 import sys
@@ -144,9 +146,32 @@ def code_documents(root: Path, label: str, *, skip_dirs: Iterable[str] = ()) -> 
             yield Document(_doc_id(url), url, rel, text)
 
 
+def whole_source_documents(roots: Iterable[tuple[Path, str]]) -> Iterator[Document]:
+    """Every .py file as it is, code and docstrings, one document each; a file whose bytes were
+    already seen (vendored and copied modules are common) only once."""
+    seen: set[bytes] = set()
+    for root, label in roots:
+        for rel, path in python_files(root):
+            try:
+                source = path.read_bytes()
+            except OSError:
+                continue
+            digest = hashlib.sha256(source).digest()
+            if digest in seen or not source.strip():
+                continue
+            seen.add(digest)
+            text = source.decode("utf-8", errors="replace")
+            url = f"{label}:///{rel}"
+            yield Document(_doc_id(url), url, rel, text)
+
+
 def source_documents(source: str) -> Iterator[Document]:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stdlib_label = f"python-{version}-stdlib"
+    if source == "installed-source":
+        yield from whole_source_documents([(stdlib_root(), stdlib_label),
+                                           *((r, "site-packages") for r in site_package_roots())])
+        return
     yield from pydoc_topic_documents(version)
     yield from code_documents(stdlib_root(), stdlib_label, skip_dirs=("site-packages", "dist-packages"))
     if source == "installed-docstrings":
@@ -157,6 +182,8 @@ def source_documents(source: str) -> Iterator[Document]:
 SOURCES = {
     "stdlib-docstrings": "the standard library's docstrings and pydoc topics (~3 MB on CPython 3.11)",
     "installed-docstrings": "stdlib-docstrings, then the docstrings of everything in site-packages (tens of MB)",
+    "installed-source": "every .py file of the standard library and site-packages, code and all, each distinct "
+                        "file once (hundreds of MB where big packages are installed: the GPU benchmarks' corpus)",
 }
 
 # --------------------------------------------------------------------------------------------

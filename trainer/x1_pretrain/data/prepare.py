@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from x1_common.contracts import ExitCode
+from x1_common.fsutil import disk_fault
 from x1_common.logs import setup_logging
 
 log = logging.getLogger("x1.prepare")
@@ -191,7 +192,8 @@ def prepare(args: argparse.Namespace, fetch: Fetch, tokenize: Tokenize) -> int:
             if hub_refused(e) and i + 1 < len(candidates):
                 log.warning("the hub refused %s (%s); falling back to %s", source.repo_id, e, candidates[i + 1].repo_id)
                 continue
-            log.error("download of %s failed: %s: %s", source.repo_id, type(e).__name__, e)
+            fault = disk_fault(e, source.local_dir(out), what=f"{source.repo_id}'s shards")
+            log.error("download of %s failed: %s", source.repo_id, fault or f"{type(e).__name__}: {e}")
             return FAILED
         break
 

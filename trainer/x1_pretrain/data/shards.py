@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from x1_common.fsutil import write_json_atomic
+from x1_common.fsutil import disk_faults_named, write_json_atomic
 from x1_pretrain.data.sources import (
     MAX_SKIP_EXAMPLES,
     READ_CHUNK,
@@ -48,11 +48,14 @@ log = logging.getLogger("x1_pretrain.tokenize_data")
 
 
 class TokenFile:
-    """Appends documents (EOT + tokens) to a temp file through a buffer; renamed when committed."""
+    """Appends documents (EOT + tokens) to a temp file through a buffer; renamed when committed.
+    A disk that refuses the bytes raises DiskFaultError naming the shard folder."""
 
     def __init__(self, path: Path, capacity: int = 1 << 21):
         self.path, self.tmp = path, path.with_name(path.name + ".tmp")
-        self.f = open(self.tmp, "wb")
+        self.named = lambda: disk_faults_named(path.parent, what=f"the tokens of shard {path.name}")
+        with self.named():
+            self.f = open(self.tmp, "wb")
         self.buf = np.empty(capacity, dtype=TOKEN_DTYPE)
         self.fill = 0
         self.tokens = 0  # written so far, buffered included
@@ -63,7 +66,8 @@ class TokenFile:
         if self.fill + n > len(self.buf):
             self.flush()
         if n > len(self.buf):
-            self.f.write(np.concatenate([[EOT_TOKEN], ids]).astype(TOKEN_DTYPE).tobytes())
+            with self.named():
+                self.f.write(np.concatenate([[EOT_TOKEN], ids]).astype(TOKEN_DTYPE).tobytes())
         else:
             self.buf[self.fill] = EOT_TOKEN
             self.buf[self.fill + 1 : self.fill + n] = ids  # uint32 → uint16: GPT-2 ids are < 50257
@@ -73,19 +77,25 @@ class TokenFile:
 
     def flush(self) -> None:
         if self.fill:
-            self.f.write(self.buf[: self.fill].tobytes())
+            with self.named():
+                self.f.write(self.buf[: self.fill].tobytes())
             self.fill = 0
 
     def commit(self) -> None:
         self.flush()
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
+        with self.named():
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
-        """Drops the temp file; nothing to do once committed."""
-        self.f.close()
+        """Drops the temp file; nothing to do once committed. Never raises: it runs while an
+        error (a full disk above all, whose buffered bytes the close cannot write) is on its way."""
+        try:
+            self.f.close()
+        except OSError:
+            pass
         self.tmp.unlink(missing_ok=True)
 
 

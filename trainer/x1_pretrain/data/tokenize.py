@@ -21,6 +21,10 @@ How it scales to the lab's ~96 parquet files of ~230 MB (~10B tokens):
 - Bad input (corrupt parquet, missing `text`, malformed JSON, non-UTF-8, no input at all) stops
   with exit 2 and a message naming the file, the line or row, and the problem; previous complete
   outputs are left as they were. `--skip-bad-records` skips and counts such records instead.
+- A disk that refuses the output (full, over quota, read-only) is no bad input: exit 1 and one line
+  naming the folder, its free space and what was needed (x1_common.fsutil.disk_fault). Every new
+  byte is written before any earlier output is replaced, so those stay as they were; finished
+  shards are kept for the rerun.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from x1_common.contracts import ExitCode, format_utc, read_json_file, utc_now
-from x1_common.fsutil import fsync_dir, write_json_atomic
+from x1_common.fsutil import disk_fault, disk_faults_named, fsync_dir, write_json_atomic
 from x1_common.logs import setup_logging
 from x1_pretrain.data.shards import Progress, ShardResult, _result_ok, run_shards, shard_paths
 from x1_pretrain.data.sources import (
@@ -127,6 +131,13 @@ class WorkDir:
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def close(self) -> None:
+        """Let go of the folder's lock (the process's exit does too; a caller that goes on, a test,
+        must not find its own lock held by a run that ended)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
 
 # --------------------------------------------------------------------------------------------
 # Assembly: shard files → train.bin / val.bin / meta.json, all appearing at once
@@ -161,8 +172,11 @@ def assemble(
     fallback_key: str | None,
 ) -> None:
     tmp = {name: output_dir / f".{name}.tmp" for name in ("train.bin", "val.bin")}
+    new_meta = output_dir / ".meta.json.new"
+    need = (meta["train_tokens"] + meta["val_tokens"]) * 2
     try:
-        with open(tmp["train.bin"], "wb") as train, open(tmp["val.bin"], "wb") as val:
+        with disk_faults_named(output_dir, need=need, what="train.bin and val.bin"), \
+                open(tmp["train.bin"], "wb") as train, open(tmp["val.bin"], "wb") as val:
             moved = None
             for shard in shards:
                 r = results[shard.key]
@@ -184,15 +198,18 @@ def assemble(
             expected = meta["train_tokens" if name == "train.bin" else "val_tokens"] * 2
             if path.stat().st_size != expected:
                 raise OSError(f"{path}: {path.stat().st_size} bytes, expected {expected}")
+        # Every byte is on disk before an earlier output goes: a full disk stops here, with the
+        # earlier train.bin, val.bin and meta.json as they were.
+        write_json_atomic(new_meta, meta)
         # A reader checks the .bin sizes against meta.json: take the old meta away first, so old and
-        # new files are never paired; the new meta.json appears last.
+        # new files are never paired; the new meta.json appears last (renames take no space).
         (output_dir / "meta.json").unlink(missing_ok=True)
         for name, path in tmp.items():
             os.replace(path, output_dir / name)
-        write_json_atomic(output_dir / "meta.json", meta)
+        os.replace(new_meta, output_dir / "meta.json")
         fsync_dir(output_dir)
     finally:
-        for path in tmp.values():
+        for path in (*tmp.values(), new_meta):
             path.unlink(missing_ok=True)
 
 
@@ -311,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Tokenize a text corpus (FineWeb-Edu parquet, Pile-style jsonl.zst, jsonl, txt) with GPT-2 BPE into "
             "train.bin / val.bin (flat little-endian uint16, EOT 50256 before every document) and meta.json. "
             "Parallel, resumable after a kill (rerun the same command), outputs appear only when complete. "
-            "Exit 2 on bad input, naming the file and the problem."
+            "Exit 2 on bad input, naming the file and the problem; exit 1 when the disk refuses the output (full, "
+            "over quota, read-only), naming the folder, its free space and what was needed: earlier outputs are "
+            "left as they were and finished shards are kept, so the same command continues once there is room."
         ),
         epilog=(
             "Formats by extension: *.parquet (column text, FineWeb-Edu), *.jsonl.zst and *.jsonl (field text, one "
@@ -365,6 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         hint = "; --skip-bad-records skips bad records instead" if e.skippable and not args.skip_bad_records else ""
         print(f"error: nothing written to {args.output_dir}{hint}", file=sys.stderr)
         return ExitCode.USAGE
+    except OSError as e:
+        fault = disk_fault(e, args.output_dir)
+        if fault is None:
+            raise
+        # The environment, not the input: said in a line, with the command's exit code for it.
+        print(f"error: {fault}", file=sys.stderr)
+        print(f"error: no output in {args.output_dir} was replaced; free some space (or remount it read-write), then "
+              "rerun the same command: finished shards are kept", file=sys.stderr)
+        return ExitCode.ENVIRONMENT
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume; finished shards are kept", file=sys.stderr)
         return 130
@@ -407,42 +435,45 @@ def run(input_dir: Path, output_dir: Path, settings: Settings, workers: int, sha
         raise InputError(str(output_dir), f"--output-dir cannot be created ({e.strerror or e})", skippable=False) from None
     work = WorkDir(output_dir)
     work.open(settings)
-    shards, unreadable = plan_shards(sources, shard_bytes, settings.skip_bad_records)
-    for u in unreadable:
-        log.warning("skipping %s: %s", u.source.path, u.problem)
-    done = work.finished(shards)
-    todo = [s for s in shards if s.key not in done]
-    log.info(
-        "%d input file(s), %.1f MB, in %d shard(s): %d finished earlier, %d to do on %d worker(s)",
-        len(sources), sum(s.size for s in sources) / 1e6, len(shards), len(done), len(todo), min(workers, len(todo)),
-    )
-    progress = Progress(sum(s.input_bytes for s in todo))
-    t_tok = time.monotonic()
     try:
-        for r in run_shards(todo, settings, work.shards, min(workers, len(todo)), progress):
-            done[r.key] = r
-    finally:
-        progress.close()
-    tokenize_s = time.monotonic() - t_tok
-    for s in sources:  # an input rewritten while we read it would mix two versions
-        st = os.stat(s.path)
-        if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
-            raise InputError(s.path, "changed while being tokenized; rerun", skippable=False)
-    fallback_key = pick_fallback(settings, shards, done)
-    meta = build_meta(settings, input_dir, sources, unreadable, shards, done, fallback_key)
-    for b in bad:  # --skip-bad-records: counted with the unreadable files
-        meta["skipped_files"].append({"path": Path(b.path).relative_to(input_dir).as_posix()
-                                      if Path(b.path).is_relative_to(input_dir) else b.path, "problem": b.problem})
-        meta["skipped"]["unreadable file"] = meta["skipped"].get("unreadable file", 0) + 1
-    if meta["train_tokens"] == 0:
-        problem = (
-            f"all {meta['documents']} document(s) went to val.bin, none is left for train.bin: lower --val-fraction"
-            if meta["documents"] else "no documents: every text was empty, null or skipped"
+        shards, unreadable = plan_shards(sources, shard_bytes, settings.skip_bad_records)
+        for u in unreadable:
+            log.warning("skipping %s: %s", u.source.path, u.problem)
+        done = work.finished(shards)
+        todo = [s for s in shards if s.key not in done]
+        log.info(
+            "%d input file(s), %.1f MB, in %d shard(s): %d finished earlier, %d to do on %d worker(s)",
+            len(sources), sum(s.size for s in sources) / 1e6, len(shards), len(done), len(todo), min(workers, len(todo)),
         )
-        raise InputError(str(input_dir), problem, skippable=False)
-    t_asm = time.monotonic()
-    assemble(output_dir, work, shards, done, meta, fallback_key)
-    work.remove()
+        progress = Progress(sum(s.input_bytes for s in todo))
+        t_tok = time.monotonic()
+        try:
+            for r in run_shards(todo, settings, work.shards, min(workers, len(todo)), progress):
+                done[r.key] = r
+        finally:
+            progress.close()
+        tokenize_s = time.monotonic() - t_tok
+        for s in sources:  # an input rewritten while we read it would mix two versions
+            st = os.stat(s.path)
+            if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
+                raise InputError(s.path, "changed while being tokenized; rerun", skippable=False)
+        fallback_key = pick_fallback(settings, shards, done)
+        meta = build_meta(settings, input_dir, sources, unreadable, shards, done, fallback_key)
+        for b in bad:  # --skip-bad-records: counted with the unreadable files
+            meta["skipped_files"].append({"path": Path(b.path).relative_to(input_dir).as_posix()
+                                          if Path(b.path).is_relative_to(input_dir) else b.path, "problem": b.problem})
+            meta["skipped"]["unreadable file"] = meta["skipped"].get("unreadable file", 0) + 1
+        if meta["train_tokens"] == 0:
+            problem = (
+                f"all {meta['documents']} document(s) went to val.bin, none is left for train.bin: lower --val-fraction"
+                if meta["documents"] else "no documents: every text was empty, null or skipped"
+            )
+            raise InputError(str(input_dir), problem, skippable=False)
+        t_asm = time.monotonic()
+        assemble(output_dir, work, shards, done, meta, fallback_key)
+        work.remove()
+    finally:
+        work.close()
     elapsed = time.monotonic() - started
     tokens = meta["train_tokens"] + meta["val_tokens"]
     log.info(

@@ -7,9 +7,10 @@
        (load, save, compare bytes and tensors)
     4. total spend <= cap
     5. spike-postmortem.md exists
-    6. the instance is terminated: termination.json (a provider's terminate answer or an
-       instance record showing it terminated), checked; or a screenshot termination.png with a
-       person's termination-note.txt beside it, accepted as NOT verified (a picture is not read)
+    6. the instance is terminated: termination.json, checked: the instance read back from the
+       provider after the terminate (`instance_after`) shows its terminated state, or the API's own
+       not-found for its id (the terminate call's answer alone does not count); or a screenshot
+       termination.png with a person's termination-note.txt beside it, accepted as NOT verified
 
 Prints a table with a reason on every line and writes RUN_DIR/dod.json (atomically) for the demo
 and CI. Exit 0 only when all six pass. A folder without manifest.json is not a run folder: exit 2,
@@ -22,17 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from x1_common.contracts import ExitCode, format_utc, utc_now
+from x1_common.contracts import LAMBDA_NOT_FOUND_CODE, TERMINATED_RAW_STATUS, ExitCode, format_utc, utc_now
 from x1_common.fsutil import sha256_file, write_json_atomic
+from x1_common.scaling import BAND_SOURCES, LAB_BAND, DeclaredBand, declare_band
 from x1_pretrain.run.record import ExportError
 from x1_pretrain.train.forecast_rule import summary_text
 
-DEFAULT_BAND = (3.20, 3.50)
+DEFAULT_BAND = LAB_BAND  # the lab's, for a run that declared no band of its own
 LAB_CAP_USD = 35.0
 REQUIRED_VERSIONS = ("torch", "flash-attn", "transformers", "numpy")
 EXIT_FAILED = 1
@@ -92,9 +95,21 @@ def check_manifest(manifest: dict[str, Any] | None, problem: str) -> Check:
                  f"{c.get('provider', '?')}, spent_usd {'null (see check 4)' if spent is None else spent}")
 
 
-def check_val_loss(manifest: dict[str, Any] | None, band: tuple[float, float]) -> Check:
+def judged_band(manifest: dict[str, Any] | None, flag: tuple[float, float] | None) -> tuple[DeclaredBand, str]:
+    """The band check 2 judges against: the run's `declared_band` (fixed before its first step),
+    else --band, else the lab's; and a note when --band was given but the run declared another."""
+    declared = DeclaredBand.from_dict((manifest or {}).get("declared_band"))
+    if declared is not None:
+        ignored = ""
+        if flag is not None and (flag[0], flag[1]) != (declared.low, declared.high):
+            ignored = f"; --band {flag[0]:g} {flag[1]:g} not used: the run declared its band before its first step"
+        return declared, ignored
+    return declare_band(None, flag), ""
+
+
+def check_val_loss(manifest: dict[str, Any] | None, band: DeclaredBand, note: str = "") -> Check:
     name = "final val loss in band"
-    lo, hi = band
+    lo, hi = band.low, band.high
     if manifest is None:
         return Check(2, name, False, "no manifest: no final val loss to check")
     val = manifest.get("final_val_loss")
@@ -104,11 +119,14 @@ def check_val_loss(manifest: dict[str, Any] | None, band: tuple[float, float]) -
     # Did the run match the predictions? Its own forecast at 10/25/50%, and the Chinchilla figure.
 
     chinchilla = manifest.get("predicted_val_loss")
-    beside = f"; {summary_text(manifest.get('forecast'))}" + (
+    lab = ""
+    if band.source != "lab":
+        a, b = LAB_BAND
+        lab = f"; the lab's [{a:.2f}, {b:.2f}]: {'inside' if a <= val <= b else 'below' if val < a else 'above'} it"
+    beside = f"{lab}; {summary_text(manifest.get('forecast'))}" + (
         f"; Chinchilla fit {chinchilla:.3f} (other corpus and tokenizer: a guide)" if isinstance(chinchilla, (int, float)) else "")
-    if lo <= val <= hi:
-        return Check(2, name, True, f"final val loss {val:.4f}{where} is within [{lo:.2f}, {hi:.2f}]{beside}")
-    return Check(2, name, False, f"final val loss {val:.4f}{where} is outside [{lo:.2f}, {hi:.2f}]{beside}")
+    verdict = "is within" if lo <= val <= hi else "is outside"
+    return Check(2, name, lo <= val <= hi, f"final val loss {val:.4f}{where} {verdict} {band.describe()}{beside}{note}")
 
 
 def check_weights(run_dir: Path, manifest: dict[str, Any] | None) -> Check:
@@ -195,33 +213,37 @@ def check_postmortem(run_dir: Path) -> Check:
 
 
 def termination_evidence(record: Any) -> str | None:
-    """What in a provider record shows the instance terminated, or None.
+    """What in a termination record shows the instance terminated, or None.
 
-    Accepted: Lambda's terminate answer {"data": {"terminated_instances": [...]}}; a Lambda
-    instance record with status "terminated"; RunPod's {"data": {"podTerminate": ...}} without
-    GraphQL errors; a RunPod pod with desiredStatus TERMINATED; and the watchdog's record
-    wrapping either under "response" or "instance_after".
+    The record (the watchdog's --terminate-on-finish or `x1 down`) must hold what the provider
+    showed when the instance was read back after the terminate, `instance_after`: its status is the
+    provider's terminated state (Lambda "terminated", RunPod "TERMINATED") for that instance's id,
+    or it is the API's own not-found answer for that id (Lambda's error code
+    global/object-does-not-exist; RunPod's GraphQL "not found" error or a null pod). The answer to
+    the terminate call alone never passes: a pod that answered podTerminate can go on running.
     """
-    if not isinstance(record, dict) or record.get("errors"):
+    if not isinstance(record, dict):
         return None
-    data = record.get("data")
-    if isinstance(data, dict):
-        done = data.get("terminated_instances")
-        if isinstance(done, list) and done:
-            ids = ", ".join(str(i.get("id", "?")) if isinstance(i, dict) else str(i) for i in done)
-            return f"Lambda terminate answer: terminated_instances [{ids}]"
-        if "podTerminate" in data:
-            return "RunPod podTerminate answered without errors"
-    for pod in (data.get("pod") if isinstance(data, dict) else None, record.get("pod"), record):
-        if isinstance(pod, dict) and str(pod.get("desiredStatus", "")).upper() == "TERMINATED":
-            return f"RunPod pod {pod.get('id', '?')} has desiredStatus TERMINATED"
-    for inst in (data, record):
-        if isinstance(inst, dict) and str(inst.get("status", "")).lower() == "terminated":
-            return f"instance {inst.get('id', record.get('instance_id', '?'))} has status terminated"
-    for key in ("response", "instance_after", "raw"):
-        found = termination_evidence(record.get(key))
-        if found:
-            return f"{key}: {found}"
+    after = record.get("instance_after")
+    instance_id = record.get("instance_id")
+    if not isinstance(after, dict) or not isinstance(instance_id, str) or not instance_id:
+        return None
+    provider = record.get("provider")
+    raw = after.get("raw") if isinstance(after.get("raw"), dict) else {}
+    if after.get("status") == "terminated":
+        word = TERMINATED_RAW_STATUS.get(provider) if isinstance(provider, str) else None
+        shown_id = raw.get("id", after.get("instance_id", instance_id))
+        if word is not None and after.get("raw_status") == word and shown_id == instance_id:
+            return f"read back after the terminate, {provider} lists instance {instance_id} {word}"
+        return None
+    if after.get("status") == "not-found" and after.get("instance_id") == instance_id:
+        api_error = after.get("api_error")
+        if provider == "lambda" and isinstance(api_error, dict) and api_error.get("code") == LAMBDA_NOT_FOUND_CODE:
+            return f"read back after the terminate, Lambda answers {LAMBDA_NOT_FOUND_CODE} for instance {instance_id}"
+        if provider == "runpod" and (api_error == {"data": {"pod": None}} or (
+                isinstance(api_error, list) and any(isinstance(e, dict) and "not found" in str(e.get("message", "")).lower()
+                                                     for e in api_error))):
+            return f"read back after the terminate, RunPod's API no longer knows pod {instance_id}"
     return None
 
 
@@ -236,7 +258,9 @@ def check_termination(run_dir: Path) -> Check:
             evidence, problems = None, [f"termination.json is not JSON ({e})"]
         if evidence:
             return Check(6, name, True, f"termination.json: {evidence}")
-        problems = problems or ["termination.json shows no terminated instance"]
+        problems = problems or ["termination.json shows no terminated instance (its instance_after, read back from "
+                                "the provider after the terminate, is not the provider's terminated state nor its "
+                                "own not-found for that id)"]
     if shot.is_file():
         # A picture proves nothing by itself (any PNG decodes): it passes only with a person's note
         # beside it saying what it shows, and the verdict says it was not verified.
@@ -268,11 +292,12 @@ def _png_problem(path: Path) -> str | None:
     return None
 
 
-def run_checks(run_dir: Path, band: tuple[float, float], cap_usd: float | None) -> list[Check]:
+def run_checks(run_dir: Path, flag_band: tuple[float, float] | None, cap_usd: float | None) -> list[Check]:
     manifest, problem = _load_manifest(run_dir)
+    band, note = judged_band(manifest, flag_band)
     return [
         check_manifest(manifest, problem),
-        check_val_loss(manifest, band),
+        check_val_loss(manifest, band, note),
         check_weights(run_dir, manifest),
         check_spend(run_dir, manifest, cap_usd),
         check_postmortem(run_dir),
@@ -285,7 +310,7 @@ def mark_pending(check: Check) -> Check:
     if check.ok:
         return check
     return replace(check, pending=True, reason="the instance running this check is still up: --terminate-on-finish "
-                   "adds the provider's answer here as termination.json after its terminate; otherwise terminate it "
+                   "adds the instance as the provider shows it after the terminate here as termination.json; otherwise terminate it "
                    "yourself, save the dashboard's screenshot here as termination.png with termination-note.txt (which "
                    "instance, when, what it shows) and run dod on this folder again")
 
@@ -314,9 +339,9 @@ def exit_code(checks: list[Check]) -> int:
     return EXIT_PENDING if all(c.ok or c.pending for c in checks) else EXIT_FAILED
 
 
-def report(run_dir: Path, checks: list[Check], band: tuple[float, float]) -> dict[str, Any]:
+def report(run_dir: Path, checks: list[Check], band: DeclaredBand) -> dict[str, Any]:
     return {"run_dir": str(run_dir.resolve()), "passed": all(c.ok for c in checks), "checked_utc": format_utc(utc_now()),
-            "band": list(band), "pending": [c.number for c in checks if c.pending],
+            "band": [band.low, band.high], "band_source": band.source, "pending": [c.number for c in checks if c.pending],
             "checks": [asdict(c) for c in checks]}
 
 
@@ -363,7 +388,7 @@ def termination_facts(path: Path | None) -> dict[str, Any] | None:
 
 
 def recheck_termination(run_dir: Path) -> Check | None:
-    """Check 6 again, after the watchdog wrote the provider's answer into the folder: dod.json's
+    """Check 6 again, after the watchdog wrote its termination record into the folder: dod.json's
     line for it is replaced (the other lines stand as checked). None when there is no dod.json."""
     path = run_dir / "dod.json"
     try:
@@ -373,7 +398,9 @@ def recheck_termination(run_dir: Path) -> Check | None:
         return None
     check = check_termination(run_dir)
     checks = [check if c.number == TERMINATION_CHECK else c for c in checks]
-    write_json_atomic(path, {**report(run_dir, checks, tuple(saved.get("band", DEFAULT_BAND))),
+    lo, hi = saved.get("band", LAB_BAND)
+    band = DeclaredBand(float(lo), float(hi), saved.get("band_source") if saved.get("band_source") in BAND_SOURCES else "flag")
+    write_json_atomic(path, {**report(run_dir, checks, band),
                              "checked_utc": saved.get("checked_utc"), "rechecked_utc": {str(TERMINATION_CHECK): format_utc(utc_now())}})
     return check
 
@@ -387,8 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                "folder; 3 with --termination-pending: checks 1-5 pass and 6 is pending.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the folder export_run wrote")
-    p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"), default=DEFAULT_BAND,
-                   help="final val loss band (default 3.20 3.50; a short or tiny run uses its own)")
+    p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"),
+                   help="final val loss band for a run folder that records none (default: the run's declared_band, "
+                        "else the lab's 3.20 3.50)")
     p.add_argument("--cap-usd", type=float, metavar="USD",
                    help="spend cap (default: the cap recorded in the manifest or budget.json, else the lab's $35)")
     p.add_argument("--termination-pending", action="store_true",
@@ -400,12 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run_dir = Path(args.run_dir)
-    band = (float(args.band[0]), float(args.band[1]))
+    band = None if args.band is None else (float(args.band[0]), float(args.band[1]))
     if not run_dir.is_dir():
         print(f"dod: error: RUN_DIR {run_dir} is not a folder", file=sys.stderr)
         return int(ExitCode.USAGE)
-    if not band[0] < band[1]:
-        print(f"dod: error: --band {band[0]} {band[1]}: LO must be below HI", file=sys.stderr)
+    if band is not None and not (math.isfinite(band[0]) and math.isfinite(band[1]) and band[0] < band[1]):
+        print(f"dod: error: --band {band[0]} {band[1]}: LO must be below HI, both finite", file=sys.stderr)
         return int(ExitCode.USAGE)
     if args.cap_usd is not None and args.cap_usd <= 0:
         print(f"dod: error: --cap-usd {args.cap_usd}: must be above 0", file=sys.stderr)
@@ -420,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = [mark_pending(c) if c.number == TERMINATION_CHECK else c for c in checks]
     print(render(checks))
     try:
-        write_json_atomic(run_dir / "dod.json", report(run_dir, checks, band))
+        write_json_atomic(run_dir / "dod.json", report(run_dir, checks, judged_band(_load_manifest(run_dir)[0], band)[0]))
     except OSError as e:
         print(f"dod: warning: cannot write {run_dir / 'dod.json'}: {e}", file=sys.stderr)
     return exit_code(checks)

@@ -25,6 +25,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -56,8 +57,17 @@ from x1_common.contracts import (
     move_uri_credentials_to_env,
     utc_now,
 )
-from x1_common.fsutil import make_readable, sha256_file, write_json_atomic, write_text_atomic
+from x1_common.fsutil import (
+    DiskFaultError,
+    disk_fault,
+    disk_faults_named,
+    make_readable,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 from x1_common.restarts import label as restart_label
+from x1_common.scaling import DeclaredBand, declare_band
 from x1_pretrain.checkpoint.store import MARKER
 from x1_pretrain.checkpoint.weights import read_metadata
 from x1_pretrain.config import ConfigError, model_config_from_json
@@ -83,12 +93,12 @@ from x1_pretrain.run.facts import (
 )
 from x1_pretrain.run.outputs import NotOurFiles, place
 from x1_pretrain.run.record import ExportError, RunRecord, Series, load_run, safe_uri, scrub
+from x1_pretrain.train.band import MLFLOW_TAG as BAND_TAG
 from x1_pretrain.train.forecast import history_from_series
 
 log = logging.getLogger("x1.export_run")
 
 MANIFEST_FORMAT = "x1-run-manifest-v1"
-DEFAULT_BAND = (3.20, 3.50)  # docs/DESIGN.md §8 check 2: the final val loss of the 50M run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +299,7 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
         "final_train_loss_step": loss[0] if loss else None,
         "final_val_loss": val[1] if val else None,
         "final_val_loss_step": val[0] if val else None,
-        "loss_curve_band": list(band),  # shaded on loss-curve.png; the DoD takes its band from `dod --band`
+        "loss_curve_band": list(band),  # shaded on loss-curve.png: the declared band (below)
         **predictions(model_cfg, tokens_seen, config.resolved),
         "predicted_vs_band": predicted_vs_band(model_cfg, tokens_seen, band),
         **restart_count(record, events, inputs.events),
@@ -313,6 +323,22 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
     return scrub(manifest)
 
 
+def declared_band_of(record: RunRecord, flag: tuple[float, float] | None) -> dict[str, Any]:
+    """The band the run declared before its first step (its MLflow tag, x1_pretrain.train.band);
+    for a run that recorded none (older), --band or the lab's, said so."""
+    try:
+        recorded = json.loads(record.tags.get(BAND_TAG, "null"))
+    except ValueError:
+        recorded = None
+    if DeclaredBand.from_dict(recorded) is not None:
+        if flag is not None and (flag[0], flag[1]) != (recorded["low"], recorded["high"]):
+            log.warning("--band %g %g not used: the run declared %s before its first step", flag[0], flag[1],
+                        DeclaredBand.from_dict(recorded).describe())  # type: ignore[union-attr]
+        return recorded
+    return {**declare_band(None, flag).as_dict(), "note": "the run recorded no band at its start (an older trainer): "
+            + ("--band as given to export_run" if flag else "the lab's")}
+
+
 def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     out = Path(args.output)
     if out.exists() and not out.is_dir():
@@ -320,11 +346,13 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise ExportError(f"--output {out} exists and is not empty: pass --force to replace the exported files "
                           "(files the export does not write, such as spike-postmortem.md, are kept)")
-    band = (float(args.band[0]), float(args.band[1]))
-    if not band[0] < band[1]:
-        raise ExportError(f"--band {band[0]} {band[1]}: LO must be below HI")
+    flag = None if args.band is None else (float(args.band[0]), float(args.band[1]))
+    if flag is not None and not (math.isfinite(flag[0]) and math.isfinite(flag[1]) and flag[0] < flag[1]):
+        raise ExportError(f"--band {flag[0]} {flag[1]}: LO must be below HI, both finite")
 
     record = load_run(args.mlflow_uri, args.run_id, args.experiment)
+    declared = declared_band_of(record, flag)
+    band = (declared["low"], declared["high"])
     inputs = locate_inputs(args, record)
     events = read_events(inputs.events)
     budget = budget_facts(inputs.budget, inputs.missing.get("--budget-file"))
@@ -337,6 +365,7 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     try:
         copy_weights(weights.path, tmp / "final.safetensors")
         manifest = build_manifest(record, inputs, events, budget, termination, weights, tmp / "final.safetensors", band)
+        manifest["declared_band"] = declared
         write_text_atomic(tmp / "metrics.csv", metrics_csv(record.series), durable=False)
         write_text_atomic(tmp / "mlflow-run-uri.txt", run_uri_text(record), durable=False)
         if inputs.budget is not None:
@@ -358,8 +387,12 @@ def export(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             if p.is_file():
                 _fsync_file(p)
         _swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # A disk that refused a file of the folder: said for the run folder, not its temp folder.
+        if isinstance(e, OSError) and (fault := disk_fault(e, out, what=None if isinstance(e, DiskFaultError)
+                                                           else "the run folder")) is not None:
+            raise fault from None
         raise
     return out, manifest
 
@@ -368,10 +401,13 @@ def copy_weights(src: Path, dst: Path) -> str:
     """Copy the weights; returns the copy's sha256. A checkpoint's copy must match the sha256 its
     completion marker recorded: a running trainer may prune that folder while we read it."""
     try:
-        shutil.copyfile(src, dst)
+        with disk_faults_named(dst, need=src.stat().st_size, what=dst.name):
+            shutil.copyfile(src, dst)
         sha = sha256_file(dst)
         marker = src.parent / MARKER
         expected = json.loads(marker.read_text())["files"][src.name] if marker.is_file() else sha
+    except DiskFaultError:
+        raise  # the disk's fault, not the trainer's
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{src} changed while it was copied ({e}): is the trainer still running? Export again") from None
     if sha != expected:
@@ -433,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
             "A file that is absent, named or not, is left out with a note and the DoD fails the check it was\n"
             "evidence for: no budget reading gives spent_usd: null with the reason.\n\n"
             "Exit codes: 0 exported; 2 bad input (no such run, no runs, tracking store unreachable after a\n"
-            "short retry, no weights, --output not empty without --force), with a message naming it."
+            "short retry, no weights, --output not empty without --force), with a message naming it; 1 the disk\n"
+            "refused the folder (full, over quota, read-only), naming it, its free space and what was needed:\n"
+            "an earlier export there is left as it was."
         ),
     )
     p.add_argument("--mlflow-uri", required=True, help="tracking URI: sqlite:///..., http://host:5000 or file:///...")
@@ -445,8 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--termination-file", metavar="F",
                    help="the watchdog's termination.json (or a provider's terminate answer), or a .png screenshot")
     p.add_argument("--events-file", metavar="F", help="the watchdog's events (JSON lines): restarts = its relaunches")
-    p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"), default=DEFAULT_BAND,
-                   help="final val loss band shaded on loss-curve.png (default 3.20 3.50, docs/DESIGN.md §8)")
+    p.add_argument("--band", nargs=2, type=float, metavar=("LO", "HI"),
+                   help="the band for a run that declared none at its start (an older trainer; default the lab's "
+                        "3.20 3.50); a run's declared band always wins")
     p.add_argument("--force", action="store_true",
                    help="replace the exported files in a non-empty --output (other files there are kept)")
     return p
@@ -463,6 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, NotOurFiles, ValueError) as e:
         print(f"export_run: error: {e}", file=sys.stderr)
         return int(ExitCode.USAGE)
+    except OSError as e:
+        fault = disk_fault(e, args.output) if not isinstance(e, DiskFaultError) else e
+        if fault is None:
+            raise
+        print(f"export_run: error: {fault}: nothing exported, {args.output} is as it was; free some space (or remount "
+              "it read-write), then export again", file=sys.stderr)
+        return int(ExitCode.ENVIRONMENT)
     val = manifest["final_val_loss"]
     spent = manifest["spent_usd"]
     print(f"exported run {manifest['mlflow']['run_id']} to {out}: end {manifest['end']} at step {manifest['steps']}, "

@@ -8,8 +8,8 @@
 The trainer runs the same steps itself after a final exit (finished, budget stop, divergence)
 when given `--run-dir DIR` (compose gives /workspace/run), so the folder is complete on the
 workspace volume before a `--terminate-on-finish` watchdog ends the instance. The watchdog then
-writes the provider's answer into the folder as termination.json, and `dod` on the folder,
-wherever it is read later, passes check 6 too. Without terminate-on-finish: terminate the
+writes what it sent and the instance as the provider showed it afterwards into the folder as
+termination.json, and `dod` on the folder, wherever it is read later, passes check 6 too. Without terminate-on-finish: terminate the
 instance yourself, save the dashboard's screenshot as DIR/termination.png with a note beside it
 (DIR/termination-note.txt: which instance, when, what it shows), run `dod DIR`.
 """

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from x1_common.contracts import ExitCode
+from x1_common.scaling import LAB_BAND
 from x1_pretrain.config import ConfigError, RunConfig, load_config
 from x1_pretrain.train.accounting import (
     CHINCHILLA,
@@ -54,9 +55,9 @@ CHEAPER_ELSEWHERE = {
     "static": "the rate is yours: lower the steps or raise the budget",
 }
 
-# The definition of done's band for the final val loss of the 50M run on FineWeb-Edu with GPT-2
-# BPE (dod.DEFAULT_BAND; `dod --band` for other runs).
-DOD_BAND = (3.20, 3.50)
+# The lab's band for the final val loss of the 50M run on FineWeb-Edu with GPT-2 BPE: the definition
+# of done's check 2 for a run without a ladder or a --band of its own (x1_pretrain.train.band).
+DOD_BAND = LAB_BAND
 # The max price on the A100 80GB, the reference GPU of the budget; other GPUs get the price at
 # which their tokens cost what the A100's do at this price (max_price_for).
 A100_MAX_PRICE_USD_PER_HR = 1.40

@@ -84,7 +84,8 @@ class Service:
         self.log_path = log_path
         self.url = url
         self.health_path = health_path
-        self.started = time.time()
+        self.started = time.time()  # for people (stack.json)
+        self.started_mono = time.monotonic()  # for its uptime: no step of the wall clock counts
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         try:

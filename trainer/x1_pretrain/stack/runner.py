@@ -22,7 +22,9 @@ in that order, the watchdog once MLflow and the sidecar are healthy (compose's d
 service that dies is restarted with a backoff (compose's `restart: unless-stopped`); the trainer
 only by the watchdog. Ctrl-C, SIGTERM or `down` stop them in the reverse order: the watchdog
 forwards the stop to the trainer, which writes its emergency checkpoint and exits 75, recorded as
-a requested stop and not relaunched; then the sidecar, MLflow and Prometheus. `up` again, after a
+a requested stop and not relaunched; then the sidecar, MLflow and Prometheus. A hangup (SIGHUP:
+the SSH session of a foreground `up` dropped) stops nothing: the runner goes on, logging to
+stack.log only, and the run goes on training. `up` again, after a
 `down`, a reboot or a pod resume, continues the run from its latest checkpoint; a final decision
 of the watchdog (finished, budget stop, divergence, given up, start-up failure) is honoured: it
 does not relaunch.
@@ -52,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from x1_common.contracts import ExitCode
-from x1_common.fsutil import write_json_atomic
+from x1_common.fsutil import WriteHealth, write_json_atomic
 from x1_common.logs import RedactSecrets
 from x1_pretrain.stack import services as S
 from x1_pretrain.stack.process import (
@@ -209,10 +211,21 @@ class Runner:
         self.stop_requested = threading.Event()
         self.lease: L.Lease | None = None
         self.ports = PortReservation()
+        self.writes = WriteHealth(log)
 
     # -- the record status and down read --------------------------------------------------------
 
     def record(self) -> None:
+        """WS/logs/stack.json, what `status` and `down` read. A disk that refuses it stops nothing
+        (said once; the next record tries again): status then looks at the processes themselves."""
+        try:
+            self._record()
+        except OSError as e:
+            self.writes.failed(self.ws.stack_file, e, "`status` may show an older record; retried at the next change")
+        else:
+            self.writes.succeeded(self.ws.stack_file)
+
+    def _record(self) -> None:
         me = self.lease.owner if self.lease else None
         write_json_atomic(self.ws.stack_file, {
             "state": self.state,
@@ -340,7 +353,7 @@ class Runner:
                 if svc.alive():
                     continue
                 if name not in self.next_start:
-                    quick = time.time() - svc.started < 60
+                    quick = time.monotonic() - svc.started_mono < 60
                     self.in_a_row[name] = self.in_a_row.get(name, 0) + 1 if quick else 0
                     delay = min(2.0 ** self.in_a_row[name], RESTART_BACKOFF_MAX_S)
                     self.next_start[name] = time.monotonic() + delay
@@ -438,6 +451,20 @@ def setup_runner_logging(ws: Workspace) -> None:
     root.setLevel(logging.INFO)
 
 
+def leave_terminal() -> None:
+    """After a hangup: log to stack.log only, and point stdin, stdout and stderr at /dev/null, so
+    that nothing this runner still prints (or reads) meets a terminal that is gone (EIO, or a stop
+    as a background process of it)."""
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if isinstance(h, logging.FileHandler)
+                        or not isinstance(h, logging.StreamHandler)]
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+
+
 def refuse_if_running(ws: Workspace) -> None:
     seen = L.probe(ws.root)
     if seen.owner is not None and seen.alive:
@@ -487,8 +514,18 @@ def cmd_up(args: argparse.Namespace) -> int:
                  signal.Signals(signum).name)
         runner.stop_requested.set()
 
+    def on_hangup(signum: int, _frame: Any) -> None:
+        # The terminal went away (an SSH session that dropped): a paid run goes on training. Its
+        # lines go to stack.log only from here; `status` shows the stack, `down` stops it.
+        if os.environ.get(DETACHED_ENV) != "1":  # `up -d`: stderr is stack.log already, and no terminal
+            leave_terminal()
+        log.warning("SIGHUP: the terminal is gone; the stack keeps running (this runner's lines go on in %s): "
+                    "`python -m x1_pretrain.stack status --workspace %s` shows it, `down` stops it",
+                    ws.log("stack"), ws.root)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     log.info("x1 stack in %s from %s: provider %s%s", ws.root, args.env_file or "the environment",
              settings["PROVIDER"], f" ({settings['INSTANCE_ID']})" if settings["INSTANCE_ID"] else "")
     code = 0
@@ -609,6 +646,8 @@ commands:
   prepare   download and tokenize into WORKSPACE/data (compose's `prepare` service), once
   up        start the stack in the foreground (-d: in the background, returning once it runs);
             Ctrl-C or SIGTERM stop it in order, the trainer first with its emergency checkpoint.
+            A hangup (SIGHUP: the SSH session dropped) does not: the stack keeps running, the
+            runner's lines go on in WORKSPACE/logs/stack.log, `status` shows it, `down` stops it.
             Again after a `down`, a reboot or a pod resume, it continues the run from its latest
             checkpoint; a final decision of the watchdog (finished, budget stop, divergence,
             given up, start-up failure: WORKSPACE/logs/watchdog-state.json) is honoured, the

@@ -1,4 +1,10 @@
-"""`python -m x1_pretrain.stack status`: what the stack is doing, read from the workspace's files."""
+"""`python -m x1_pretrain.stack status`: what the stack is doing, read from the workspace's files.
+
+Each process is looked at itself, never through the runner alone: a runner that died (a kill, an
+OOM) leaves its services and the trainer running, and status says so. A service is running while
+its recorded pid runs with its recorded start time (this host, this boot); the trainer while a
+live trainer holds the lease on the checkpoint folder (x1_common.lease: its lock, or its
+heartbeat on another host), whoever started it."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from x1_common import restarts
-from x1_common.contracts import Heartbeat
+from x1_common.contracts import Heartbeat, boot_id
 from x1_pretrain.stack import services as S
 from x1_pretrain.stack.process import http_status
 from x1_pretrain.stack.workspace import Workspace, read_events, read_json, trainer_pid
@@ -74,16 +80,38 @@ def at_a_glance(trainer: dict[str, Any], budget: dict[str, Any], judged: re.Matc
     }
 
 
+def trainer_running(ws: Workspace) -> tuple[bool, int | None]:
+    """(whether a trainer trains on this workspace's checkpoints, its pid where it is ours to see).
+    The trainer's own lease says, not the runner: a trainer outlives a runner that died."""
+    lease = L.probe(ws.checkpoints)
+    alive = lease.owner is not None and lease.alive and lease.owner.kind == L.LeaseKind.TRAINER.owner_word
+    pid = trainer_pid(ws)
+    if pid is None and alive and lease.local and lease.owner is not None:
+        pid = lease.owner.pid
+    return alive or pid is not None, pid
+
+
+def heartbeat_age(beat: Heartbeat) -> float:
+    """Seconds since the beat: on the monotonic clock where it was written on this boot (a stepped
+    wall clock shows no false age), else by the wall clocks."""
+    if beat.mono is not None and beat.boot_id is not None and beat.boot_id == boot_id():
+        return max(0.0, time.monotonic() - beat.mono)
+    return time.time() - beat.time
+
+
 def collect_status(ws: Workspace) -> dict[str, Any]:
     seen = L.probe(ws.root)
     record = read_json(ws.stack_file) or {}
     running = seen.owner is not None and seen.alive
+    runner = record.get("runner") or {}
+    # The recorded pids can be checked where the runner ran: this kernel, this pid namespace.
+    here = runner.get("boot_id") == L.boot_id() and runner.get("pid_ns") == L.pid_namespace()
     services: dict[str, Any] = {}
     recorded = record.get("services") or {}
     for name in [n for n in S.START_ORDER if n in recorded]:
         info = recorded[name]
         pid, ticks = info.get("pid"), info.get("start_ticks")
-        alive = running and seen.local and isinstance(pid, int) and L.proc_start_ticks(pid) == ticks
+        alive = here and isinstance(pid, int) and ticks is not None and L.proc_start_ticks(pid) == ticks
         health = None
         if alive and info.get("url") and info.get("health_path"):
             code = http_status(info["url"] + info["health_path"], timeout=3.0)
@@ -91,11 +119,11 @@ def collect_status(ws: Workspace) -> dict[str, Any]:
         services[name] = {"pid": pid, "running": alive, "health": health if alive else None,
                           "url": info.get("url"), "restarts": info.get("restarts", 0), "log": info.get("log")}
     beat = Heartbeat.read(ws.heartbeat)
-    tpid = trainer_pid(ws) if running and seen.local else None
+    trains, tpid = trainer_running(ws)
     step = last_step_line(ws.log("trainer"))
-    trainer: dict[str, Any] = {"pid": tpid, "running": tpid is not None,
+    trainer: dict[str, Any] = {"pid": tpid, "running": trains,
                                "step": beat.step if beat else None, "phase": beat.phase if beat else None,
-                               "heartbeat_age_s": round(time.time() - beat.time, 1) if beat else None,
+                               "heartbeat_age_s": round(heartbeat_age(beat), 1) if beat else None,
                                "total_steps": int(step[2]) if step else None,
                                "loss": float(step[3]) if step else None,
                                "tokens_per_s": int(step[4]) if step else None,
@@ -106,6 +134,9 @@ def collect_status(ws: Workspace) -> dict[str, Any]:
     return {
         "workspace": str(ws.root),
         "running": running,
+        # What a runner that died left running: nobody restarts these, and `down` stops them.
+        "orphaned": [] if running else [*(n for n, svc in services.items() if svc["running"]),
+                                        *(["trainer"] if trains else [])],
         "runner": {"pid": seen.owner.pid if seen.owner else None, "host": seen.owner.host if seen.owner else None,
                    "since": seen.owner.since if seen.owner else None, "why": seen.why,
                    "state": record.get("state")},
@@ -156,14 +187,19 @@ def describe_decision(e: dict[str, Any] | None) -> str:
 def render_status(st: dict[str, Any]) -> str:
     r = st["runner"]
     lines = []
+    orphaned = st.get("orphaned") or []
     if st["running"]:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["since"])) if r["since"] else "?"
         lines.append(f"stack in {st['workspace']}: running (runner pid {r['pid']} on {r['host']}, since {since})")
+    elif orphaned:
+        lines.append(f"stack in {st['workspace']}: its runner is gone, but {', '.join(orphaned)} still run"
+                     f"{'s' if len(orphaned) == 1 else ''}, unsupervised by it: `python -m x1_pretrain.stack down "
+                     f"--workspace {st['workspace']}` stops them in order (the trainer first, with its checkpoint)")
     else:
         lines.append(f"stack in {st['workspace']}: not running" + (f" (last state: {r['state']})" if r["state"] else ""))
     for name, svc in st["services"].items():
-        if not st["running"]:
-            break
+        if not st["running"] and not svc["running"]:
+            continue
         state = svc["health"] or ("running" if svc["running"] else "NOT RUNNING")
         restarted = f", restarted {svc['restarts']}x" if svc["restarts"] else ""
         lines.append(f"  {name:15s} {state:24s} pid {svc['pid']}{restarted}  {svc['url'] or ''}")
@@ -185,7 +221,8 @@ def render_status(st: dict[str, Any]) -> str:
     if t["step"] is not None:
         of = f"/{t['total_steps']}" if t["total_steps"] else ""
         speed = f", {t['tokens_per_s']:,} tok/s, loss {t['loss']:.4f}" if t["tokens_per_s"] is not None else ""
-        who = f"pid {t['pid']}" if t["running"] else "not running"
+        who = (f"pid {t['pid']}" if t["pid"] is not None else "running (on another host)") if t["running"] \
+            else "not running"
         lines.append(f"  {'trainer':15s} {who}: step {t['step']}{of} ({t['phase']}, heartbeat {t['heartbeat_age_s']:.0f} s "
                      f"ago){speed}; latest checkpoint {t['latest_checkpoint'] or 'none'}")
     else:

@@ -21,6 +21,12 @@ The rules, in order:
 4. rate > 1.2 × planned rate: warning alert (the planned rate is the first reading's when not given);
 5. reading older than stale_after_min or marked stale: stale-data alert, once per episode.
 
+Two clocks. A reading's date is the sidecar's wall clock, compared with ours once, when the reading
+is first read: that gives its age then. From there on its age grows on the monotonic clock, as do
+every interval of the guard (the checks' cadence, the wait for a first reading): a wall clock
+stepped back (NTP) never makes the spend look lower nor a stale reading fresh, and one stepped
+forward never adds hours that did not pass to a reading already read.
+
 No torch here: the dry run and the tests import this without it.
 """
 
@@ -346,19 +352,25 @@ class BudgetGuard:
         reader: Callable[[], tuple[BudgetReading, float]] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         pace: Pace | None = None,
+        monotonic: Callable[[], float] | None = None,
     ) -> None:
+        """`clock` is the wall clock, compared with the readings' dates; `monotonic` measures every
+        duration (by default time.monotonic, or `clock` itself where a test drives one clock)."""
         if cfg.cap_usd is None:
             raise ValueError("BudgetGuard needs cap_usd; use BudgetGuard.from_config for the off switch")
         self.cfg = cfg
         self.cap: float = cfg.cap_usd
         self.alerts = alerts if alerts is not None else AlertSender()
         self.clock = clock
+        self.monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self.log = log
         self.sleep = sleep
         self._read = reader or (lambda: read_source(cfg.curr_cost_uri))
         self.last_reading: BudgetReading | None = None
         self._time_scale = 1.0
         self._origin: float | None = None  # when last_reading's age starts (its date, unless that is in the future)
+        self._age_at_read = 0.0  # last_reading's age when it was first read (wall clock against its date) ...
+        self._read_mono = 0.0  # ... and that moment on the monotonic clock: its age grows from there
         self._rate_floor = 0.0  # the previous reading's rate: a lower new rate is extrapolated at this one
         self._last_read_at: float | None = None
         self._last_check: float | None = None
@@ -401,12 +413,13 @@ class BudgetGuard:
 
     # --- the numbers --------------------------------------------------------------------------
     def _age_s(self, reading: BudgetReading, now: float) -> float:
-        """Seconds the meter has run since `reading`. A reading dated in the future has no age of
-        its own: it counts from `_origin` (see _try_read), never from its date, so that a wrong
-        clock or a damaged file cannot stop the extrapolation."""
-        origin = self._origin if reading is self.last_reading and self._origin is not None else \
-            reading.last_update_utc.timestamp()
-        return max(0.0, now - origin)
+        """Seconds the meter has run since `reading`, at `now` on the monotonic clock: its age when
+        first read, plus the monotonic time since. A reading dated in the future has no age of its
+        own: it counts from `_origin` (see _try_read), never from its date, so that a wrong clock or
+        a damaged file cannot stop the extrapolation."""
+        if reading is self.last_reading and self._origin is not None:
+            return self._age_at_read + max(0.0, now - self._read_mono)
+        return max(0.0, self.clock() - reading.last_update_utc.timestamp())
 
     def _extrapolate(self, reading: BudgetReading, now: float) -> tuple[float, float]:
         """(spent, projected) at `now` if the meter kept running at the reading's rate — or at the
@@ -425,7 +438,7 @@ class BudgetGuard:
         """Extrapolated spend now, for MLflow and Prometheus; None before any reading."""
         if self.last_reading is None:
             return None
-        return self._extrapolate(self.last_reading, self.clock())[0]
+        return self._extrapolate(self.last_reading, self.monotonic())[0]
 
     def projection(self, step: int | None = None) -> Projection | None:
         """The projection rule 2 would judge now (None before any reading): for MLflow and /metrics too."""
@@ -433,7 +446,7 @@ class BudgetGuard:
             self._step = step
         if self.last_reading is None:
             return None
-        return self._project(self.last_reading, self.clock())
+        return self._project(self.last_reading, self.monotonic())
 
     def _project(self, reading: BudgetReading, now: float) -> Projection:
         spent, sidecar = self._extrapolate(reading, now)
@@ -491,11 +504,13 @@ class BudgetGuard:
         same = prev is not None and self._origin is not None and prev.last_update_utc == reading.last_update_utc \
             and prev.spent_usd == reading.spent_usd and prev.rate_usd_per_hr == reading.rate_usd_per_hr
         if same and self._origin is not None and prev is not None:
-            # The reading we already had: its age runs on from the same origin, and one that was
-            # dated in the future stays suspect after our clock has caught up with its date.
-            origin = min(self._origin, written)
-            reading = dataclasses.replace(reading, stale=reading.stale or prev.stale)
-        elif written <= now + CLOCK_SKEW_S:
+            # The reading we already had: its age runs on from when it was first read (the
+            # monotonic clock: no step of the wall clock since counts), and one that was dated in
+            # the future stays suspect after our clock has caught up with its date.
+            self._rate_floor = prev.rate_usd_per_hr
+            self.last_reading, self._time_scale = dataclasses.replace(reading, stale=reading.stale or prev.stale), scale
+            return None
+        if written <= now + CLOCK_SKEW_S:
             origin = min(written, now)  # a date a little ahead (two clocks) is "now", never later
         else:
             origin = now if previous_read is None else previous_read
@@ -512,6 +527,7 @@ class BudgetGuard:
             self.log.warning("budget reading's rate %s/h is below the previous reading's %s/h: extrapolating at the "
                              "higher until the next reading", usd(reading.rate_usd_per_hr), usd(self._rate_floor))
         self.last_reading, self._time_scale, self._origin = reading, scale, origin
+        self._age_at_read, self._read_mono = max(0.0, now - origin), self.monotonic()
         return None
 
     # --- start ------------------------------------------------------------------------------
@@ -530,12 +546,12 @@ class BudgetGuard:
                 return Decision(Action.REFUSE_LAUNCH, ExitCode.LAUNCH_REFUSED, sentence, None, None)
 
         timeout_s = cfg.first_reading_timeout_min * 60.0
-        deadline = self.clock() + timeout_s
+        deadline = self.monotonic() + timeout_s
         every = min(5.0, max(0.2, timeout_s / 20))
-        next_note = self.clock()
+        next_note = self.monotonic()
         while True:
             why = self._try_read()
-            now = self.clock()
+            now = self.monotonic()
             if why is None and self.last_reading is not None:
                 age = self._age_s(self.last_reading, now)
                 if age <= cfg.stale_after_min * 60.0:
@@ -554,7 +570,7 @@ class BudgetGuard:
 
         reading = self.last_reading
         assert reading is not None
-        now = self.clock()
+        now = self.monotonic()
         self._last_check = now
         if self.planned_rate is None:
             self.planned_rate = reading.rate_usd_per_hr
@@ -587,7 +603,7 @@ class BudgetGuard:
         if self._held is not None:
             held, self._held = self._held, None
             return held
-        now = self.clock()
+        now = self.monotonic()
         if step is not None:
             self._step = step
         first_pace = self.pace is not None and self.pace.measured and not self._judged_measured
@@ -606,7 +622,7 @@ class BudgetGuard:
 
     def check(self, step: int | None = None) -> Decision:
         """Read now and apply the rules in order."""
-        now = self.clock()
+        now = self.monotonic()
         self._last_check = now
         if step is not None:
             self._step = step

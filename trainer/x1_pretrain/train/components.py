@@ -35,6 +35,7 @@ from x1_common.contracts import (
     MLFLOW_WALL_HOURS,
     PHASE_TRAINING,
     ExitCode,
+    boot_id,
 )
 from x1_pretrain.checkpoint.store import Checkpointer, TrainerState
 from x1_pretrain.config import RunConfig
@@ -62,12 +63,13 @@ class StopSignal:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.at: float | None = None  # unix time of the first signal: a restart's downtime counts from it
+        self.at_mono: float | None = None  # the same moment on the monotonic clock (the downtime's measure)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
-            self.at = time.time()
+            self.at, self.at_mono = time.time(), time.monotonic()
             log.warning("%s received: finishing with an emergency checkpoint", signal.Signals(signum).name)
         self.signum = signum
 
@@ -313,6 +315,9 @@ def log_first_step(run: Run, step: int) -> None:
                                                                    or previous.time < process_started_at())
     stopped = restarts.previous_stop(previous.phase, previous.time, previous.step, previous.signal_time) \
         if resumed else None
+    if stopped is not None:  # measured on the monotonic clock where the previous process ran on this boot
+        stop_mono = previous.signal_mono if stopped.by == "SIGTERM" else previous.mono
+        stopped = restarts.on_this_clock(stopped, stop_mono, previous.boot_id, boot_id(), now, time.monotonic())
     start = restarts.Start(step, now, now - process_started_at(), stopped)
     metrics = {"startup_seconds": start.startup_seconds, "first_step_unix": now}
     if stopped is not None:

@@ -492,6 +492,8 @@ def _rung_curve(rung: Any, i: int) -> RunCurve | None:
     if rung.get("diverged"):
         return None
     sched = rung.get("schedule")
+    if sched is None and rung.get("curve") is None:  # a rungs file with the fit's three keys only: no curve
+        return None
     if not isinstance(sched, dict):
         raise ForecastError(f"ladder: {where}schedule must be an object")
     schedule = Schedule(lr=_number(sched, "lr", where + "schedule.", True),
@@ -573,8 +575,11 @@ def _rung_priors(rungs: str) -> Priors:
     curves = [c for i, r in enumerate(json.loads(rungs)) if (c := _rung_curve(r, i)) is not None]
     first = [c for c in curves if np.sum(c.val_steps >= max(c.schedule.warmup_steps, 1)) >= MIN_POINTS]
     if len(first) < 2:
-        raise ForecastError(f"ladder: {len(first)} complete rungs with {MIN_POINTS} val points past their warm-up; "
-                            "the shape priors need 2 at least")
+        # A ladder fitted from final losses alone (made elsewhere): its prediction still counts, the
+        # shapes come from the shipped complete runs, and the provenance says so.
+        shipped = Priors.load()
+        return Priors(**{**asdict(shipped), "provenance": {**shipped.provenance, "ladder": (
+            f"{len(first)} rung(s) with {MIN_POINTS} val points past their warm-up: the shipped shape priors")}})
     return fit_priors(first, provenance={"ladder": [c.name for c in first]})
 
 

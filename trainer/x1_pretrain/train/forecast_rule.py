@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from x1_common.scaling import LAB_BAND
+
 LAW = "lr-annealing"  # the law the trainer forecasts with
 MIN_VAL_POINTS = 2  # evals after the warm-up, at least
 MIN_POINTS = 6  # evals and train bins after the warm-up together, at least
 TRAIN_BINS = 200  # train losses are averaged in bins of total_steps / TRAIN_BINS steps (at least log_every)
-DEFAULT_BAND = (3.20, 3.50)  # the definition of done's final val loss band (dod check 2)
+DEFAULT_BAND = LAB_BAND  # the lab's band; a run judges against the band it declared (train/band.py)
 
 
 def first_judged_step(total_steps: int, warmup_steps: int, eval_every: int, log_every: int) -> int | None:

@@ -294,7 +294,7 @@ def stop_run(run: Run, step: int, code: ExitCode, reason: str) -> int:
     # (anything unsent is spooled to disk and sent by the next start).
     run.sink.close(MLFLOW_STATUS[int(code)], timeout=3.0 if code == ExitCode.PREEMPTED else 30.0)
     # The stop record the next start measures its downtime from: the SIGTERM's time, else this exit's.
-    run.sink.heartbeat.beat(step, PHASE_STOPPED, signal_time=run.stop.at)
+    run.sink.heartbeat.beat(step, PHASE_STOPPED, signal_time=run.stop.at, signal_mono=run.stop.at_mono)
     return int(code)
 
 

@@ -94,8 +94,8 @@ def run_trainer(argv: list[str] | None, built: list[Run]) -> int:
         except OSError as e:
             # A path that passed check_paths and still failed (a full disk, a race, a mount gone):
             # said in a line, and a crash to the watchdog (relaunch with backoff, then give up).
-            log.error("setup failed: %s; exit 1", e)
-            return 1
+            log.error("setup failed: %s; exit %d", e, ExitCode.ENVIRONMENT)
+            return ExitCode.ENVIRONMENT
         if isinstance(run, int):
             return run
         built.append(run)
@@ -106,12 +106,13 @@ def run_trainer(argv: list[str] | None, built: list[Run]) -> int:
             write_run_folder(cfg.tracking.mlflow_uri, Path(args.run_dir), run.sink.run_id, Path(cfg.checkpoint.dir))
         return code
     except CheckpointError as e:
-        # A full disk above all. Exit 1 is a crash to the watchdog: it relaunches with backoff
-        # (space may come back); a relaunch that stops in check_space again, before its first
-        # step, with the same error, is a start-up failure: final, alerted (exit 81).
+        # A full disk above all: the environment's exit code, 1, a crash to the watchdog: it
+        # relaunches with backoff (space may come back); a relaunch that stops in check_space
+        # again, before its first step, with the same error, is a start-up failure: final, alerted (exit 81).
         log.error("%s", e)
-        log.error("exit 1: checkpoint not written (the watchdog relaunches; it gives up after --max-restarts)")
-        return 1
+        log.error("exit %d: checkpoint not written (the watchdog relaunches; it gives up after --max-restarts)",
+                  ExitCode.ENVIRONMENT)
+        return ExitCode.ENVIRONMENT
     finally:
         if run is not None and not isinstance(run, int):
             run.batches.close()

@@ -44,11 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="resume against another MLflow server: a new MLflow run there, tagged with the old one")
     ops.add_argument("--measured-peak-tflops", type=float, help="this GPU's measured bf16 matmul peak, for a second MFU")
     ops.add_argument("--run-name", help="MLflow run name (default: config name and start time)")
-    ops.add_argument("--forecast-band", type=float, nargs=2, metavar=("LO", "HI"),
-                     help="final val loss band the forecast is judged against: an alert when its interval lies "
-                          "wholly outside, once per crossing (default 3.20 3.50, the definition of done's)")
+    seed.add_argument("--ladder", metavar="FILE",
+                      help="a scaling ladder's ladder.json made on this run's corpus, tokenizer, context and model "
+                           "family (python -m x1_pretrain.ladder): its prediction +- its tolerance is the run's band")
+    seed.add_argument("--band", "--forecast-band", dest="forecast_band", type=float, nargs=2, metavar=("LO", "HI"),
+                      help="the run's final val loss band when it has no ladder (default: the lab's 3.20 3.50). "
+                           "Declared before the first step, kept by every resume; the definition of done, the "
+                           "forecast's alert and the plots judge against it")
     ops.add_argument("--stop-when-forecast-misses-band", action="store_true",
-                     help="stop (checkpoint, exit 80) when the forecast's interval lies wholly outside --forecast-band")
+                     help="stop (checkpoint, exit 80) when the forecast's interval lies wholly outside the run's band")
     ops.add_argument("--run-dir", metavar="DIR",
                      help="after a final exit (finished, budget stop, divergence) write the run folder here "
                           "(python -m x1_pretrain.finish: export_run, the spike post-mortem draft, dod)")

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 from x1_common.alerts import AlertSender
 from x1_common.contracts import MLFLOW_RESTART, PHASE_COMPILING, PHASE_STARTUP, PHASE_TRAINING, ExitCode
-from x1_common.fsutil import write_json_atomic
+from x1_common.fsutil import WriteHealth, write_json_atomic
 from x1_pretrain.checkpoint.store import (
     MODEL_FILE,
     OPTIM_FILE,
@@ -48,6 +49,9 @@ from x1_pretrain.train.accounting import (
     fmt_count,
     param_counts,
 )
+from x1_pretrain.train.band import BandError, log_declared
+from x1_pretrain.train.band import declared as declared_band
+from x1_pretrain.train.band import tag as band_tag
 from x1_pretrain.train.budget_guard import BudgetGuard, Pace
 from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfigError, Run, StopSignal, Throughput
 from x1_pretrain.train.forecast import ForecastError, ForecastWatch, prior_from_ladder
@@ -86,9 +90,10 @@ def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -
 
 
 def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool,
-                   ladder: dict[str, Any] | None = None):
-    """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept; with
-    `ladder` (a ladder.json already checked to be this run's), its prediction and shape priors."""
+                   band: tuple[float, float], ladder: dict[str, Any] | None = None):
+    """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept, judged
+    against the run's declared band; with `ladder` (a ladder.json already checked to be this run's),
+    its prediction and shape priors."""
     alerts = None
     if is_main:
         try:
@@ -101,7 +106,7 @@ def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState
             ladder, counts["total"], cfg.train.total_steps * cfg.train.tokens_per_step, counts["non_embedding"],
             flops_per_token(cfg.model))
         return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
-                                     band=args.forecast_band, stop_outside=args.stop_when_forecast_misses_band,
+                                     band=band, stop_outside=args.stop_when_forecast_misses_band,
                                      alerts=alerts, ladder=prior)
     except ForecastError as e:
         raise DataOrConfigError(f"forecast: {e}") from None
@@ -230,6 +235,15 @@ def earlier_start(cfg: RunConfig) -> dict[str, Any]:
     return saved if ok else {}
 
 
+def alert_in_background(alerts: AlertSender, error: str) -> None:
+    """The alert of the trainer's first failing write, sent off the training thread (a webhook or
+    an SMTP server can take seconds)."""
+    threading.Thread(target=alerts.send, name="write-alert", daemon=True, args=(
+        "write-failing", f"trainer cannot write: {error[:200]}",
+        f"{error}\nTraining goes on and every next write tries again; free space (or remount read-write) on "
+        "that disk before the next checkpoint, which cannot be written either.", {"error": error})).start()
+
+
 def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str,
                    extra_tags: dict[str, str] | None = None):
 
@@ -258,14 +272,18 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
     tags.update({f"x1.version.{k}": v for k, v in versions().items()})
     tags.update(extra_tags or {})
     tags["x1.run_id"] = state.run_id
+    if cfg.tracking.parent_run_id:  # MLflow's own tag: the run shows under its parent
+        tags["mlflow.parentRunId"] = cfg.tracking.parent_run_id
     if state.changes:  # what --allow-data-change / --allow-tracking-change let through, oldest first
         tags["x1.provenance_changes"] = json.dumps(state.changes, sort_keys=True)
         moved = [c for c in state.changes if c["what"] == "tracking"]
         if moved:
             tags["x1.previous_mlflow_run"] = f"{moved[-1]['from']} {moved[-1]['previous_run_id']}"
+    writes = WriteHealth(log)  # the heartbeat's and the spool's; /metrics and the alert are wired in setup
     mlflow = MlflowLogger(
         cfg.tracking.mlflow_uri, cfg.tracking.experiment, run_id=run_id, run_name=run_name,
         params=flatten(cfg.resolved()), tags=tags, spool_path=ckpt_root / "mlflow-spool.jsonl", on_run_id=remember,
+        writes=writes,
     )
     if state.changes:  # a resumed run is not re-tagged at start: said to it explicitly
         mlflow.set_tags({k: tags[k] for k in ("x1.provenance_changes", "x1.previous_mlflow_run", "x1.data_dir")
@@ -273,7 +291,8 @@ def build_tracking(cfg: RunConfig, d: D.Dist, state: TrainerState, run_name: str
     mlflow.start()
     prom = PrometheusMetrics(cfg.tracking.metrics_port, cfg.tracking.metrics_host)
     prom.node.labels(**d.node.labels()).set(1)
-    return MetricsSink(mlflow, prom, Heartbeat(cfg.tracking.heartbeat_file, node))
+    writes.on_change = prom.write_error
+    return MetricsSink(mlflow, prom, Heartbeat(cfg.tracking.heartbeat_file, node, writes), writes)
 
 
 def compile_choice(cfg: RunConfig, ckpt_root: Path, previous_heartbeat) -> str | None:
@@ -427,6 +446,14 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     checkpointer = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.model)
     state, loaded = starting_state(args, cfg, d, checkpointer, provenance.corpus_identity(cfg.data.dir, tokens.meta))
     replanned = loaded is not None and loaded.replanned
+    try:
+        kept = bool(state.declared_band)
+        band, state.declared_band, ladder = declared_band(state.declared_band, args.ladder, args.forecast_band, cfg,
+                                                          tokens.meta)
+    except BandError as e:
+        raise DataOrConfigError(str(e)) from None
+    if d.is_main:
+        log_declared(band, state.declared_band, kept)
     if state.step >= cfg.train.total_steps and loaded is None:
         raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
 
@@ -459,7 +486,9 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     optimizer = build_optimizer(cfg, raw, loaded, d.device)
 
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-                          extra_tags=lever_table.tags())
+                          extra_tags={**lever_table.tags(), **band_tag(state.declared_band)})
+    if guard.enabled and isinstance(sink, MetricsSink):
+        sink.writes.on_first = lambda error: alert_in_background(guard.alerts, error)
     previous_heartbeat = sink.heartbeat.previous() if d.is_main else None  # before this process's first beat
     sink.heartbeat.beat(state.step, PHASE_STARTUP)
     sink.prom.tokens.inc(state.tokens_seen)
@@ -508,7 +537,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
     run.previous_heartbeat = previous_heartbeat
-    run.forecast = forecast_watch(args, cfg, state, d.is_main)
+    run.forecast = forecast_watch(args, cfg, state, d.is_main, (band.low, band.high), ladder)
     run.probes = probes
     run.bf16_weights = bf16_weights(cfg, d, raw)
     if loaded is not None:

@@ -4,6 +4,12 @@ The training loop calls `sink.log(step, {...})` and never waits on the network. 
 server that goes away mid-run costs nothing: metrics stay buffered and arrive when it is back;
 what is still unsent at exit is spooled to disk and replayed by the next start of the same run.
 On ranks other than 0 every sink is a no-op object, so the loop never asks "am I rank 0?".
+
+The heartbeat and the spool are written to disk; a write that fails (a full or read-only disk)
+costs no training step: one WriteHealth shows it from the first failure on (/metrics:
+x1_train_write_failing, x1_train_write_error_info naming the path and the cause), the log says it
+once, an alert goes out once, and the next beat or spool tries again. (A checkpoint that cannot
+be written stops the run: x1_pretrain.checkpoint.store.)
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from x1_common import contracts as C
 from x1_common.contracts import redact
-from x1_common.fsutil import write_json_atomic, write_text_atomic
+from x1_common.fsutil import WriteHealth, disk_fault, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("x1.tracking")
 
@@ -50,12 +56,14 @@ class MlflowLogger:
         spool_path: Path,
         on_run_id: Callable[[str], None] = lambda run_id: None,
         flush_seconds: float = 2.0,
+        writes: WriteHealth | None = None,
     ):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.run_id = run_id
         self._resumed = run_id is not None  # an existing run: mark it RUNNING again at first contact
         self._params, self._tags = params, dict(tags)
         self._spool = spool_path
+        self.writes = writes or WriteHealth(log)
         self._on_run_id = on_run_id
         self._flush_seconds = flush_seconds
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -103,8 +111,7 @@ class MlflowLogger:
         sent = not self._pending and not self._pending_tags and self._status is None
         if sent:
             self._spool.unlink(missing_ok=True)
-        else:
-            self._write_spool()
+        elif self._write_spool():
             log.warning("MLflow unreachable at exit: %d metrics spooled to %s; the next start of this run sends them",
                         len(self._pending), self._spool)
         return sent
@@ -129,9 +136,15 @@ class MlflowLogger:
                     if self._failures:
                         log.info("MLflow reachable again; buffered metrics sent")
                     self._failures = 0
+                    if (store := local_store(self.uri)) is not None:
+                        self.writes.succeeded(store)
                 except Exception as e:  # noqa: BLE001 - any tracking failure: keep training, keep buffering
                     self._failures += 1
-                    if self._failures in (1, 10) or self._failures % 100 == 0:
+                    store, refused = local_store(self.uri), disk_refusal(e)
+                    if store is not None and refused is not None:  # a local store on a refused disk: not "unreachable"
+                        self.writes.failed(store, refused, f"{len(self._pending)} metrics stay buffered in memory "
+                                                           "(spooled at each checkpoint) and are sent once it can be written")
+                    elif self._failures in (1, 10) or self._failures % 100 == 0:
                         log.warning("MLflow at %s not reachable (%s); %d metrics buffered, retrying",
                                     redact(self.uri), redact(str(e))[:200], len(self._pending))
                     if stopping:
@@ -209,11 +222,21 @@ class MlflowLogger:
 
     # -- the spool: metrics that outlived their process --
 
-    def _write_spool(self) -> None:
+    def _write_spool(self) -> bool:
+        """The unsent metrics to the spool, replacing it; False (said once, see WriteHealth) when the
+        disk refuses: they stay in memory and go to MLflow when it answers, lost only if the process
+        ends first. The spool already there is kept as it was."""
         with self._lock:
             lines = [json.dumps({"k": k, "v": v, "t": t, "s": s}) for k, v, t, s in self._pending]
             header = json.dumps({"run_id": self.run_id, "tags": self._pending_tags})
-        write_text_atomic(self._spool, "\n".join([header, *lines]) + "\n")
+        try:
+            write_text_atomic(self._spool, "\n".join([header, *lines]) + "\n")
+        except OSError as e:
+            self.writes.failed(self._spool, e, f"{len(lines)} unsent metrics are kept in memory only (sent when MLflow "
+                                               "answers); retried at the next checkpoint")
+            return False
+        self.writes.succeeded(self._spool)
+        return True
 
     def _replay_spool(self) -> None:
         if not self._spool.is_file():
@@ -238,11 +261,29 @@ class MlflowLogger:
             log.warning("ignoring unreadable metrics spool %s: %s", self._spool, e)
 
 
+def disk_refusal(e: BaseException | None) -> OSError | None:
+    """The OSError of a disk that refused a write, in `e` or what it wraps (MLflow wraps its store's)."""
+    while e is not None:
+        if isinstance(e, OSError) and disk_fault(e) is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def local_store(uri: str) -> Path | None:
+    """The file or folder a file:// or sqlite:/// tracking URI writes to; None for a server."""
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///"))
+    return None
+
+
 class PrometheusMetrics:
     """The trainer's /metrics. A busy port is a warning, never a failed run."""
 
     def __init__(self, port: int, host: str = "127.0.0.1"):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
 
         self.registry = CollectorRegistry()
         g = lambda name, doc: Gauge(name, doc, registry=self.registry)  # noqa: E731
@@ -279,6 +320,11 @@ class PrometheusMetrics:
         self.restarts = g(C.M_TRAIN_RESTARTS, "resumed starts of this run so far (preemptions, crashes, re-plans)")
         self.ckpt_step = g(C.M_CHECKPOINT_LAST_STEP, "step of the last complete checkpoint")
         self.ckpt_seconds = g(C.M_CHECKPOINT_SAVE_SECONDS, "seconds the last checkpoint save took")
+        self.write_failing = g(C.M_TRAIN_WRITE_FAILING, "1 while the trainer cannot write its heartbeat or metrics "
+                               "spool (a full or read-only disk: x1_train_write_error_info names the path)")
+        self.write_error_info = Info(C.M_TRAIN_WRITE_ERROR, "the trainer's failing write: the path and the cause (empty "
+                                     "while its writes succeed)", registry=self.registry)
+        self.write_error_info.info({"error": ""})
         self.port = 0
         if port:
             try:
@@ -287,22 +333,36 @@ class PrometheusMetrics:
             except OSError as e:
                 log.warning("metrics port %d unavailable (%s): training continues without /metrics", port, e)
 
+    def write_error(self, error: str | None) -> None:
+        """The trainer's failing write (WriteHealth.last_error), None once its writes succeed."""
+        self.write_failing.set(0 if error is None else 1)
+        self.write_error_info.info({"error": (error or "")[:300]})
+
 
 class Heartbeat:
     """{"step", "time", "pid", "phase"} rewritten atomically; the watchdog reads its age. `node`
     (several hosts) adds which host wrote it: {"rank", "node_rank", "nnodes", "hostname"}."""
 
-    def __init__(self, path: str | os.PathLike[str], node: dict[str, Any] | None = None):
+    def __init__(self, path: str | os.PathLike[str], node: dict[str, Any] | None = None,
+                 writes: WriteHealth | None = None):
         self.path = Path(path)
         self.node = node or {}
+        self.writes = writes or WriteHealth(log)
+        self.boot_id = C.boot_id()  # "mono" compares across processes under this boot only
 
-    def beat(self, step: int, phase: str, signal_time: float | None = None) -> None:
+    def beat(self, step: int, phase: str, signal_time: float | None = None, signal_mono: float | None = None) -> None:
         extra = {"signal_time": signal_time} if signal_time is not None else {}
+        if signal_mono is not None:
+            extra["signal_mono"] = signal_mono
         try:
-            write_json_atomic(self.path, {"step": step, "time": time.time(), "pid": os.getpid(), "phase": phase,
+            write_json_atomic(self.path, {"step": step, "time": time.time(), "mono": time.monotonic(),
+                                          "boot_id": self.boot_id, "pid": os.getpid(), "phase": phase,
                                           **extra, **self.node}, durable=False)
         except OSError as e:
-            log.warning("cannot write heartbeat %s: %s", self.path, e)
+            self.writes.failed(self.path, e, "the watchdog sees the last beat that was written, ageing (a stall "
+                                             "after its --stall-seconds); every beat tries again")
+        else:
+            self.writes.succeeded(self.path)
 
     def previous(self) -> C.Heartbeat | None:
         return C.Heartbeat.read(self.path)
@@ -311,8 +371,10 @@ class Heartbeat:
 class MetricsSink:
     """What the loop talks to: MLflow + Prometheus + heartbeat on rank 0."""
 
-    def __init__(self, mlflow: MlflowLogger, prom: PrometheusMetrics, heartbeat: Heartbeat):
+    def __init__(self, mlflow: MlflowLogger, prom: PrometheusMetrics, heartbeat: Heartbeat,
+                 writes: WriteHealth | None = None):
         self.mlflow, self.prom, self.heartbeat = mlflow, prom, heartbeat
+        self.writes = writes or WriteHealth(log)  # the heartbeat's and the spool's, as /metrics shows them
 
     @property
     def run_id(self) -> str | None:
@@ -367,7 +429,7 @@ class _NullProm(_Nothing):
 
 
 class _NullHeartbeat:
-    def beat(self, step: int, phase: str, signal_time: float | None = None) -> None:
+    def beat(self, step: int, phase: str, signal_time: float | None = None, signal_mono: float | None = None) -> None:
         pass
 
     def previous(self) -> None:
