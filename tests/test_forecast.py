@@ -397,7 +397,7 @@ def test_the_ladder_and_the_runs_own_fit_are_weighted_by_their_uncertainties():
     (lambda d: d["prediction"].update(low=9.0), "does not hold its val_loss"),
     (lambda d: d["rungs"][1].update(curve=[1, 2, 3]), "rungs[1].curve"),
     (lambda d: d["rungs"][0]["schedule"].update(lr="fast"), "rungs[0].schedule.lr"),
-    (lambda d: [r.update(diverged=True) for r in d["rungs"][:2]], "1 complete rungs"),
+    (lambda d: d["rungs"][0]["curve"].append([900, float("nan")]), "rungs[0].curve is empty or holds a number"),
     (lambda d: d.update(rungs={}), "rungs must be a list"),
 ])
 def test_a_ladder_that_cannot_serve_as_prior_is_refused_naming_what_is_wrong(change, named):
@@ -443,3 +443,22 @@ def test_the_evaluator_compares_the_forecast_with_and_without_probes_and_a_ladde
     bad.write_text(json.dumps({**known_ladder(2.9), "rungs": "none"}, allow_nan=True))
     proc = run_module("x1_pretrain.forecast", "evaluate", str(curves), "--ladder", str(bad))
     assert proc.returncode == 2 and "ladder: rungs must be a list" in proc.stderr
+
+
+def test_a_ladder_fitted_from_final_losses_alone_predicts_with_its_law_and_the_shipped_shapes():
+    """A ladder.json of x1_pretrain.ladder (its law fitted on the rungs' final losses, no curves): the
+    prediction is its law's at this run's size (x1_common.scaling.predict, N without the embedding where
+    the fit counts it so), and the shapes are the shipped priors, as its provenance says."""
+    from test_ladder_fit import TRUE, rungs_from
+
+    from x1_common.scaling import predict
+    from x1_pretrain.ladder.fit import make_ladder
+
+    ladder = make_ladder(rungs_from(TRUE, 0.003), samples=4, target={"n_params": 89e6, "tokens": 89e6 * 60})
+    prior = prior_from_ladder(ladder, 89e6, 89e6 * 40, nonembedding_params=89e6 * 0.2)
+    law = predict(ladder, 89e6, 89e6 * 40, nonembedding_params=89e6 * 0.2)
+    assert prior.mean == pytest.approx(law.val_loss) and prior.sd == pytest.approx((law.high - law.low) / (2 * Z90))
+    assert "the ladder's law at 8.9e+07 params" in prior.source
+    shipped = Priors.load()
+    assert (prior.priors.C, prior.priors.alpha, prior.priors.memory) == (shipped.C, shipped.alpha, shipped.memory)
+    assert "the shipped shape priors" in prior.priors.provenance["ladder"]

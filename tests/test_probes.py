@@ -194,3 +194,14 @@ def test_plan_prints_the_probes_cost_and_counts_it_in_the_proposed_steps():
     proposed = int(probed.stdout.split("Proposed: --total-steps ")[1].split()[0])
     assert proposed < json.loads(bare.stdout)["proposed_total_steps"]
     assert "Cooldown probes" not in run_module("x1_pretrain.plan", *lab).stdout
+
+
+def test_the_manifest_lists_each_probe_from_its_mlflow_metrics(probe_run):
+    from x1_pretrain.run.export import probes_of
+    from x1_pretrain.run.record import load_run
+
+    _, mlruns, _ = probe_run
+    record = load_run(f"file://{mlruns}")
+    listed = probes_of(record)
+    assert [(p["step"], p["steps"]) for p in listed] == [(10, 5), (20, 10)]
+    assert all(p["val_loss"] > 0 and p["seconds"] > 0 for p in listed)

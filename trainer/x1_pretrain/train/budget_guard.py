@@ -148,8 +148,8 @@ class Need:
                 + self.ckpts_left * self.ckpt_s + self.restarts_ahead * self.restart_s + self.probe_s)
 
     def describe(self) -> str:
-        probes = (f" + {self.probes_left} probes of {self.probe_steps:,} steps = {self.probe_s:.2g} s ({self.probe_note})"
-                  if self.probes_left else "")
+        probes = (f" + {self.probes_left} probe{'s' if self.probes_left > 1 else ''} of {self.probe_steps:,} steps = "
+                  f"{self.probe_s:.2g} s ({self.probe_note})" if self.probes_left else "")
         return (f"{self.steps_left:,} steps x {self.seconds_per_step:.3g} s ({self.pace}) + {self.evals_left} evals x "
                 f"{self.eval_s:.2g} s ({self.eval_note}) + {self.ckpts_left} checkpoints x {self.ckpt_s:.2g} s + "
                 f"{self.restarts_ahead:.1f} restarts x {self.restart_s:.0f} s{probes}")

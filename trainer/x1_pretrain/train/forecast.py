@@ -278,13 +278,12 @@ class Forecast:
 
     def sources(self) -> str:
         """What the forecast used besides its own curve: its probes, and the ladder or its absence."""
-        probes = f" + {self.probe_points} probes" if self.probe_points else ""
+        probes = f" + {self.probe_points} probe{'s' if self.probe_points > 1 else ''}" if self.probe_points else ""
         return f"{probes}, law {self.law}, {'ladder prior' if self.ladder else 'no ladder'}"
 
     def line(self) -> str:
         if not self.ready:
-            return (f"forecast: not enough points yet at step {self.step}/{self.total_steps} ({self.reason}); "
-                    f"{'ladder prior' if self.ladder else 'no ladder'}")
+            return f"forecast: not enough points yet at step {self.step}/{self.total_steps} ({self.reason})"
         return (f"forecast: final val loss {self.value:.3f} [{self.low:.3f}, {self.high:.3f}] at step "
                 f"{self.total_steps}, made at step {self.step} from {self.val_points} evals + {self.train_points} "
                 f"train-loss bins{self.sources()}")
