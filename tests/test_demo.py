@@ -150,6 +150,14 @@ def test_demo_runs_the_stack_through_a_preemption_and_passes_every_dod_check(tmp
     from x1_pretrain.stack.demo import BAND
 
     assert manifest["loss_curve_band"] == list(BAND) and dod["band"] == list(BAND), (manifest, dod)
+    # Declared by the run before its first step, so `dod` on the folder as the README shows it
+    # (no --band) judges against it and passes, as the demo's own dod did.
+    assert manifest["declared_band"]["source"] == "flag"
+    assert (manifest["declared_band"]["low"], manifest["declared_band"]["high"]) == BAND
+    again = subprocess.run([sys.executable, "-m", "x1_pretrain.dod", str(run)], capture_output=True, text=True,
+                           env=cli_env(), cwd=REPO)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"[{BAND[0]:.2f}, {BAND[1]:.2f}] (given on the command line)" in again.stdout
     # One figure for the preemption: the manifest's, `stack status`'s (printed before the export,
     # from trainer.log and the watchdog's events) and the demo's own line say the same.
     from x1_common.restarts import describe
