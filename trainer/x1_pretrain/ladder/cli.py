@@ -150,6 +150,18 @@ def load_plan(folder: Path) -> tuple[LadderPlan, dict[str, Any]]:
     return LadderPlan.from_json(data), extra
 
 
+def plan_once(folder: Path, args: argparse.Namespace) -> tuple[LadderPlan, dict[str, Any]] | int:
+    """DIR's plan, made (said, and written) from `args` when DIR has none yet; 78 when refused."""
+    if (folder / PLAN_FILE).exists():
+        return load_plan(folder)
+    plan, extra = plan_from_args(args)
+    print(render(plan))
+    if plan.verdict != "go":
+        return int(ExitCode.LAUNCH_REFUSED)
+    write_plan(folder, plan, extra)
+    return plan, extra
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     plan, extra = plan_from_args(args)
     print(render(plan))
@@ -172,19 +184,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from x1_pretrain.ladder.run import run
 
     folder = Path(args.dir)
-    if (folder / PLAN_FILE).exists():
-        plan, extra = load_plan(folder)
-        if args.jobs:
-            plan.jobs = args.jobs
-    else:
-        if not (args.config and args.data_dir):
-            raise UsageError(f"{folder}: no {PLAN_FILE}; give the plan's flags (--config, --data-dir, --gpu, ...) or "
-                             "run `ladder plan --out DIR` first")
-        plan, extra = plan_from_args(args)
-        print(render(plan))
-        if plan.verdict != "go":
-            return int(ExitCode.LAUNCH_REFUSED)
-        write_plan(folder, plan, extra)
+    if not (folder / PLAN_FILE).exists() and not (args.config and args.data_dir):
+        raise UsageError(f"{folder}: no {PLAN_FILE}; give the plan's flags (--config, --data-dir, --gpu, ...) or "
+                         "run `ladder plan --out DIR` first")
+    planned = plan_once(folder, args)
+    if isinstance(planned, int):
+        return planned
+    plan, extra = planned
+    if args.jobs:
+        plan.jobs = args.jobs
     settings = Settings(folder=folder, config=extra["config"], sets=extra["sets"], data_dir=extra["data_dir"],
                         mlflow_uri=args.mlflow_uri or f"file://{(folder / 'mlruns').resolve()}", jobs=plan.jobs,
                         cap_usd=args.budget_cap_usd, cost_uri=args.budget_curr_cost_uri, alert_usd=args.budget_alert_usd)
@@ -264,9 +272,8 @@ def cmd_step(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as e:
         raise UsageError(str(e)) from None
     b = cfg.budget
-    if (folder / PLAN_FILE).exists():
-        plan, extra = load_plan(folder)
-    else:
+    ns = args
+    if not (folder / PLAN_FILE).exists():
         gpu = gpu_here() or args.gpu
         price = price_now(b.curr_cost_uri) or args.price_usd_per_hr
         ns = argparse.Namespace(config=t.config, set=list(t.set), data_dir=cfg.data.dir, gpu=gpu, provider=args.provider,
@@ -276,11 +283,10 @@ def cmd_step(args: argparse.Namespace) -> int:
                                 concurrency_gain=args.concurrency_gain, tokens_per_sec=cfg.train.expected_tokens_per_sec,
                                 smallest_width=args.smallest_width, tokens_per_param=args.tokens_per_param,
                                 max_flops=args.max_flops)
-        plan, extra = plan_from_args(ns)
-        print(render(plan))
-        if plan.verdict != "go":
-            return int(ExitCode.LAUNCH_REFUSED)
-        write_plan(folder, plan, extra)
+    planned = plan_once(folder, ns)
+    if isinstance(planned, int):
+        return planned
+    plan, extra = planned
     settings = Settings(folder=folder, config=extra["config"], sets=extra["sets"], data_dir=extra["data_dir"],
                         mlflow_uri=cfg.tracking.mlflow_uri, jobs=plan.jobs, cap_usd=b.cap_usd,
                         cost_uri=b.curr_cost_uri if b.cap_usd is not None else None, alert_usd=b.alert_usd,
