@@ -27,11 +27,10 @@ from x1_pretrain.train.forecast import (
     Priors,
     Schedule,
     areas,
-    fit_power,
     forecast,
-    prior_from_ladder,
     probe_areas,
 )
+from x1_pretrain.train.forecast_calibration import fit_power, prior_from_ladder
 from x1_pretrain.train.forecast_rule import first_judged_step
 from x1_pretrain.train.schedule import probe_plan
 from x1_pretrain.train.tracking import NullSink

@@ -21,11 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from x1_common.contracts import ExitCode, read_json_file
+from x1_common.contracts import ExitCode, read_budget_file, read_json_file
 from x1_common.fsutil import write_json_atomic
 from x1_common.scaling import LadderFileError, load_ladder, predict
 from x1_pretrain.config import ConfigError, load_config
 from x1_pretrain.ladder.family import model_family
+from x1_pretrain.ladder.fit import BOOTSTRAP_SAMPLES, RungsError, make_ladder
 from x1_pretrain.ladder.plan import (
     DEFAULT_BUDGETS,
     DEFAULT_SHARE,
@@ -36,8 +37,11 @@ from x1_pretrain.ladder.plan import (
     make_ladder_plan,
     render,
 )
-from x1_pretrain.ladder.run import PLAN_FILE, RUNGS_FILE, Settings, read_rungs
-from x1_pretrain.train.accounting import GPU_PEAK_TFLOPS
+from x1_pretrain.ladder.report import write_report
+from x1_pretrain.ladder.run import PLAN_FILE, RUN_FILE, RUNGS_FILE, Settings, read_rungs, run, rung_dir, rung_step
+from x1_pretrain.train.accounting import GPU_PEAK_TFLOPS, detect_gpu_key
+from x1_pretrain.train.parser import build_parser as trainer_parser
+from x1_pretrain.train.parser import config_from_args
 from x1_pretrain.train.provenance import corpus_identity
 
 log = logging.getLogger("x1.ladder")
@@ -181,8 +185,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from x1_pretrain.ladder.run import run
-
     folder = Path(args.dir)
     if not (folder / PLAN_FILE).exists() and not (args.config and args.data_dir):
         raise UsageError(f"{folder}: no {PLAN_FILE}; give the plan's flags (--config, --data-dir, --gpu, ...) or "
@@ -196,13 +198,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings(folder=folder, config=extra["config"], sets=extra["sets"], data_dir=extra["data_dir"],
                         mlflow_uri=args.mlflow_uri or f"file://{(folder / 'mlruns').resolve()}", jobs=plan.jobs,
                         cap_usd=args.budget_cap_usd, cost_uri=args.budget_curr_cost_uri, alert_usd=args.budget_alert_usd)
-    return run(plan, settings, fit_when_done=not args.no_fit)
+    return run(plan, settings, fit=None if args.no_fit else fit_folder)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Where the ladder in DIR stands: its plan, the rungs done, those under way, the fit."""
-    from x1_pretrain.ladder.run import RUN_FILE, rung_dir, rung_step
-
     folder = Path(args.dir)
     if not (folder / PLAN_FILE).exists():
         raise UsageError(f"{folder}: no ladder here (no {PLAN_FILE})")
@@ -234,15 +234,11 @@ def gpu_here() -> str | None:
     """The plan-table key of the GPU this process sees, None without one."""
     import torch
 
-    from x1_pretrain.train.accounting import detect_gpu_key
-
     return detect_gpu_key(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
 def price_now(cost_uri: str | None) -> float | None:
     """$/h as the sidecar last read it (budget.json), where there is a reading."""
-    from x1_common.contracts import read_budget_file
-
     if not cost_uri or "://" in cost_uri:
         return None
     try:
@@ -255,10 +251,6 @@ def cmd_step(args: argparse.Namespace) -> int:
     """The trainer's arguments in, the ladder run for that run out (DIR/ladder.json), once: a
     folder that already holds ladder.json is done and says so. Then the stack starts the trainer
     with --ladder DIR/ladder.json (trainer/entrypoint.sh)."""
-    from x1_pretrain.ladder.run import run
-    from x1_pretrain.train.parser import build_parser as trainer_parser
-    from x1_pretrain.train.parser import config_from_args
-
     folder = Path(args.dir)
     if (folder / LADDER_FILE).exists():
         print(f"ladder: {folder / LADDER_FILE} is there: the main run takes its band and its forecast's prior from it")
@@ -291,7 +283,7 @@ def cmd_step(args: argparse.Namespace) -> int:
                         mlflow_uri=cfg.tracking.mlflow_uri, jobs=plan.jobs, cap_usd=b.cap_usd,
                         cost_uri=b.curr_cost_uri if b.cap_usd is not None else None, alert_usd=b.alert_usd,
                         heartbeat=Path(cfg.tracking.heartbeat_file))
-    return run(plan, settings, fit_when_done=True)
+    return run(plan, settings, fit=fit_folder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,8 +306,6 @@ def fit_and_write(rungs: Any, source: str, out: Path, plan_data: dict[str, Any] 
                   target: dict[str, Any] | None = None, samples: int | None = None) -> dict[str, Any]:
     """OUT/ladder.json and its report from a rungs list (the lr check's rungs are kept beside the
     fit, not in it). RungsError (a ValueError) names what cannot be fitted; nothing is written then."""
-    from x1_pretrain.ladder.fit import BOOTSTRAP_SAMPLES, make_ladder
-    from x1_pretrain.ladder.report import write_report
 
     def is_sweep(r: Any) -> bool:
         return isinstance(r, dict) and r.get("role") == "lr-sweep"
@@ -338,8 +328,6 @@ def fit_and_write(rungs: Any, source: str, out: Path, plan_data: dict[str, Any] 
 
 def fit_folder(folder: Path, plan: LadderPlan | None = None) -> dict[str, Any] | None:
     """`run`'s last step: DIR/rungs.json fitted into DIR/ladder.json; None (said) when it cannot be."""
-    from x1_pretrain.ladder.fit import RungsError
-
     plan_data = read_json_file(folder / PLAN_FILE) if (folder / PLAN_FILE).exists() else None
     try:
         return fit_and_write(read_rungs(folder), str(folder / RUNGS_FILE), folder, plan_data)
@@ -370,8 +358,6 @@ def summary(ladder: dict[str, Any], path: Path) -> str:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from x1_pretrain.ladder.fit import RungsError
-
     rungs_path = Path(args.rungs)
     try:
         # Non-finite numbers parse: the check of each rung names the entry that holds one.
@@ -405,8 +391,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from x1_pretrain.ladder.report import write_report
-
     ladder = load_ladder(args.ladder)
     out = Path(args.out) if args.out else Path(args.ladder).parent
     for path in write_report(ladder, out):

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,9 @@ STATE_FILE = "trainer_state.json"
 PROGRESS_EVERY_S = 30.0
 LEASE_WAIT_S = 120.0  # a rung's previous process may still be writing its emergency checkpoint
 BUDGET_STOPS = (ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.LAUNCH_REFUSED)
+# The last step once every rung is done: the folder fitted into its ladder.json (None: no fit). The
+# command line passes it in, so that running rungs needs no SciPy and this module no fitting code.
+Fit = Callable[[Path, LadderPlan], "dict[str, Any] | None"]
 
 
 @dataclass
@@ -325,16 +328,16 @@ def progress_line(plan: LadderPlan, done: list[dict[str, Any]], running: dict[st
             + f"; ETA ~{eta_min:.0f} min; {money}")
 
 
-def run(plan: LadderPlan, s: Settings, *, fit_when_done: bool = True) -> int:
+def run(plan: LadderPlan, s: Settings, *, fit: Fit | None = None) -> int:
     s.folder.mkdir(parents=True, exist_ok=True)
     lease = Lease(s.folder, LeaseKind.LADDER).acquire()
     try:
-        return _run(plan, s, fit_when_done)
+        return _run(plan, s, fit)
     finally:
         lease.release()
 
 
-def _run(plan: LadderPlan, s: Settings, fit_when_done: bool) -> int:
+def _run(plan: LadderPlan, s: Settings, fit: Fit | None) -> int:
     record_path = s.folder / RUN_FILE
     record: dict[str, Any] = read_json_file(record_path) if record_path.exists() else {}
     record.setdefault("started_utc", format_utc(utc_now()))
@@ -432,10 +435,8 @@ def _run(plan: LadderPlan, s: Settings, fit_when_done: bool) -> int:
         return code
     _beat(hb, done, running, s.folder, PHASE_FINISHED)
     ladder = None
-    if fit_when_done:
-        from x1_pretrain.ladder.cli import fit_folder  # SciPy: only once every rung is done
-
-        ladder = fit_folder(s.folder, plan)
+    if fit is not None:
+        ladder = fit(s.folder, plan)
     close_parent(s, record["parent_run_id"], ladder, "FINISHED")
     return 0
 

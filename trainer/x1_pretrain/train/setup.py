@@ -54,7 +54,8 @@ from x1_pretrain.train.band import declared as declared_band
 from x1_pretrain.train.band import tag as band_tag
 from x1_pretrain.train.budget_guard import BudgetGuard, Pace
 from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfigError, Run, StopSignal, Throughput
-from x1_pretrain.train.forecast import ForecastError, ForecastWatch, prior_from_ladder
+from x1_pretrain.train.forecast import ForecastError, ForecastWatch
+from x1_pretrain.train.forecast_calibration import prior_from_ladder
 from x1_pretrain.train.lease import take_trainer_lease
 from x1_pretrain.train.loop import forward_backward
 from x1_pretrain.train.probes import CooldownProbes
