@@ -220,6 +220,14 @@ def test_trainer_waits_for_a_healthy_mlflow_server_and_budget_sidecar(compose):
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
+def test_every_service_that_builds_gets_the_ca_bundle_for_pip(compose):
+    # A service whose build has no `build-ca` secret fails behind a TLS-intercepting proxy (pip's
+    # CERTIFICATE_VERIFY_FAILED), and a shared image built from two services is built twice.
+    overlay = yaml.safe_load((REPO / "compose.build-ca.yaml").read_text(encoding="utf-8"))["services"]
+    built = sorted(name for name, service in compose["services"].items() if "build" in service)
+    assert built and [n for n in built if "build-ca" not in (overlay.get(n, {}).get("build", {}).get("secrets") or [])] == []
+
+
 def test_every_image_is_pinned_by_tag(compose):
     for name, service in compose["services"].items():
         image = service["image"]
