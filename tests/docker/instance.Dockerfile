@@ -15,18 +15,17 @@ RUN apt-get update -qq \
     && rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_* \
     && mkdir -p /run/sshd
 
-# The extras' packages, from pyproject.toml alone (an empty README and empty package folders stand
-# in for the sources, so this layer is rebuilt only when pyproject.toml changes); then the project
-# is uninstalled.
+# The extras' packages, from pyproject.toml alone (an empty README and the empty package folders
+# its [tool.setuptools] lists stand in for the sources, so this layer is rebuilt only when
+# pyproject.toml changes); then the project is uninstalled.
 WORKDIR /opt/x1-build
 COPY pyproject.toml ./
 RUN --mount=type=secret,id=build-ca \
     if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
     && touch README.md \
-    && for d in x1_common trainer/x1_pretrain trainer/x1_pretrain/ops trainer/x1_pretrain/model trainer/x1_pretrain/data \
-        trainer/x1_pretrain/checkpoint trainer/x1_pretrain/train trainer/x1_pretrain/run trainer/x1_pretrain/stack \
-        budget-sidecar/budget_sidecar watchdog/x1_watchdog launcher/x1_launch; do \
-        mkdir -p "$d" && touch "$d/__init__.py"; done \
+    && python -c 'import pathlib, tomllib; t = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]; \
+        d = [pathlib.Path(t["package-dir"][p.split(".")[0]], *p.split(".")[1:]) for p in t["packages"]]; \
+        [(f.mkdir(parents=True, exist_ok=True), (f / "__init__.py").touch()) for f in d]' \
     && python -m pip list --format=freeze | grep -iE '^(torch|numpy)==' > /tmp/x1-keep.txt \
     && python -m pip install --no-cache-dir -q '.[trainer,sidecar,watchdog,mlflow]' -c /tmp/x1-keep.txt \
     && python -m pip uninstall -y -q x1 \
