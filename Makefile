@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.x1-installed
 PYTEST_ARGS ?=
+# Two test processes (pytest-xdist): most tests wait on subprocesses, servers and containers.
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-docker test-fast demo lint bench-gpu bench-tokenize clean help
 
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-docker: $(STAMP)
 	$(PY) -m pytest tests/test_docker_engine_api.py tests/test_docker_compose.py tests/test_multinode.py $(PYTEST_ARGS)

@@ -106,11 +106,17 @@ def test_an_unknown_key_is_refused_naming_it_and_the_nearest_known_key(tmp_path,
     ("PROVIDER=aws", "PROVIDER='aws' must be lambda, runpod or static"),
     ("PROVIDER_API_URL=localhost:8790", "PROVIDER_API_URL='localhost:8790' must start with http:// or https://"),
     ("TORCH_VERSION=latest", "TORCH_VERSION='latest' must be a torch release such as 2.11.0"),
+    ("TORCH_CUDA=cu130", "TORCH_CUDA='cu130' must be a CUDA version such as 13.0, or none"),
     ("TRAINER_SHM_SIZE=lots", "TRAINER_SHM_SIZE='lots' must be a size such as 16gb"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_the_key(tmp_path, capsys, line, named):
     assert envfile.main([str(example_with(tmp_path, line))]) == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line", ["TORCH_CUDA=12.8", "TORCH_CUDA=none"])
+def test_a_cuda_version_or_torchs_cpu_build_is_accepted(tmp_path, line):
+    assert envfile.main([str(example_with(tmp_path, line))]) == 0
 
 
 def test_a_retired_key_is_a_warning_naming_what_replaced_it(tmp_path):

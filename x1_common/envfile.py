@@ -144,7 +144,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("LADDER_SHARE", "0.05", number(0, positive=True)),
     Key("TRAINER_SHM_SIZE", "16gb", pattern(r"\d+(\.\d+)?[bkmgBKMG]?[bB]?", "a size such as 16gb"), stack=False),
     Key("TORCH_VERSION", "2.11.0", pattern(r"\d+\.\d+(\.\d+)?", "a torch release such as 2.11.0"), stack=False),
-    Key("TORCH_CUDA", "13.0", pattern(r"\d+\.\d+", "a CUDA version such as 13.0"), stack=False),
+    # none: torch's CPU build (trainer/torch_pin.py --cuda none), for an image built on a CPU-only host.
+    Key("TORCH_CUDA", "13.0", pattern(r"\d+\.\d+|none", "a CUDA version such as 13.0, or none for torch's CPU build"),
+        stack=False),
     Key("PYTHON_IMAGE", "python:3.11.11-slim-bookworm", stack=False),
     Key("BUILD_CA_BUNDLE", "", stack=False),
     Key("TRAINER_FLOAT8", "0", zero_or_one, stack=False),
