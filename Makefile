@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-docker: $(STAMP)
 	$(PY) -m pytest tests/test_docker_engine_api.py tests/test_docker_compose.py tests/test_multinode.py $(PYTEST_ARGS)

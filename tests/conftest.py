@@ -111,21 +111,16 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> 
     return ckpt
 
 
-# The tests that build and run containers on a real Docker Engine. They share images and the
-# engine, so they run one after another in one process (under `-n`, one xdist group). In one
-# process they go last (every other test's result is in before their minutes start); under `-n`
-# first, so that their minutes overlap the rest of the suite on the other process.
+# The tests that build and run containers on a real Docker Engine. `make test` runs the suite on two
+# processes, a test file at a time each (pytest-xdist --dist loadfile: a file's module-scoped
+# servers start once and its tests keep their order); there these files go first, so that their
+# minutes overlap the rest of the suite. In one process they go last: every other test's result is
+# in before their minutes start.
 DOCKER_ENGINE_TESTS = ("test_docker_compose.py", "test_docker_watchdog.py", "test_launch.py", "test_multinode.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two processes (pytest-xdist, --dist loadgroup). A test file is
-    one group, so its module-scoped servers start once; the Docker Engine files are one group."""
-    for item in items:
-        docker = item.path.name in DOCKER_ENGINE_TESTS
-        item.add_marker(pytest.mark.xdist_group("docker-engine" if docker else item.path.name))
-    parallel = bool(getattr(config.option, "numprocesses", None))
+    parallel = "PYTEST_XDIST_WORKER" in os.environ  # collection runs in each xdist worker
     items.sort(key=lambda item: (item.path.name in DOCKER_ENGINE_TESTS) != parallel)  # stable within each group
 
 

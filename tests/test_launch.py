@@ -169,9 +169,11 @@ def test_launch_rents_a_pod_puts_the_run_on_it_and_starts_the_watchdog(runpod: R
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     runpod.notes["launch_s"] = time.monotonic() - runpod.t0
-    # the pre-launch sentence at RunPod's community price (the fake's 1.4x of $0.90 spot)
-    assert "This will launch 1× NVIDIA A100 80GB PCIe on RunPod at $1.26/h, run ~24 h including setup = $30.24. " \
-           "Budget: $35. Confirmed acceptable, $4.76 buffer." in out
+    # the pre-launch sentence at the interruptible (spot) price the create asks for, $0.90, for the
+    # .env's own TOTAL_STEPS at plan's tokens/s for this config
+    assert ("This will launch 1× A100 PCIe (80 GB) [NVIDIA A100 80GB PCIe] interruptible on RunPod at $0.90/h, "
+            "run ~0.8 h including setup = $0.68 (40 steps of .env's TOTAL_STEPS at plan's 8,338,900 tokens/s). "
+            "Budget: $35. Confirmed acceptable, $34.32 buffer.") in out
     creates = runpod.fake.state()["create_calls"]
     assert len(creates) == 1 and creates[0]["env_keys"] == ["PUBLIC_KEY"]  # no secret in the pod's env
     runpod.instance_id = creates[0]["instance_id"]
