@@ -62,6 +62,17 @@ class ForecastError(ValueError):
     """A priors or curves file that cannot be used: the message names the file and the field."""
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold one object (priors, a ladder); ForecastError names what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ForecastError(f"{path}: cannot be read as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ForecastError(f"{path}: not a JSON object")
+    return data
+
+
 # ---------------------------------------------------------------------------------------------
 # The schedule and its areas
 
@@ -160,12 +171,7 @@ class Priors:
 
     @classmethod
     def load(cls, path: Path = PRIORS_FILE) -> Priors:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ForecastError(f"{path}: cannot be read as JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ForecastError(f"{path}: not a JSON object")
+        data = read_json_object(path)
         values = {}
         for name in ("C", "C_sd", "memory", "alpha", "alpha_sd", "interval_scale"):
             v = data.get(name)

@@ -37,6 +37,7 @@ from x1_pretrain.train.forecast import (
     Schedule,
     areas,
     forecast,
+    read_json_object,
     use_probe_areas,
 )
 from x1_pretrain.train.forecast_rule import MIN_POINTS, TRAIN_BINS
@@ -424,16 +425,6 @@ def compare(runs: list[RunCurve], ladder: dict[str, Any] | None) -> tuple[str, d
     return "\n".join(lines), out
 
 
-def read_ladder(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ForecastError(f"{path}: cannot be read as JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ForecastError(f"{path}: not a JSON object")
-    return data
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m x1_pretrain.forecast", description="Fit the forecast's priors and measure its accuracy on complete runs' curves.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -459,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = load_curves(args.curves)
         if args.cmd == "evaluate":
-            ladder = read_ladder(args.ladder) if args.ladder else None
+            ladder = read_json_object(args.ladder) if args.ladder else None
             if ladder is not None:
                 for run in runs:  # every run's prior is made before minutes of fitting: a bad ladder fails now
                     ladder_for(ladder, run)
