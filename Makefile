@@ -34,7 +34,8 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-docker: $(STAMP)
-	$(PY) -m pytest tests/test_docker_engine_api.py tests/test_docker_compose.py tests/test_multinode.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/test_docker_engine_api.py tests/test_docker_compose.py tests/test_docker_watchdog.py \
+		tests/test_launch.py tests/test_multinode.py $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m x1_pretrain.demo --workspace demo-workspace

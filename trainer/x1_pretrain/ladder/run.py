@@ -60,7 +60,7 @@ PROGRESS_EVERY_S = 30.0
 LEASE_WAIT_S = 120.0  # a rung's previous process may still be writing its emergency checkpoint
 BUDGET_STOPS = (ExitCode.BUDGET_PROJECTED, ExitCode.BUDGET_SPENT, ExitCode.LAUNCH_REFUSED)
 # The last step once every rung is done: the folder fitted into its ladder.json (None: no fit). The
-# command line passes it in, so that running rungs needs no SciPy and this module no fitting code.
+# command line passes it in, so this module holds no fitting code and never imports the command line.
 Fit = Callable[[Path, LadderPlan], "dict[str, Any] | None"]
 
 
