@@ -1,20 +1,26 @@
 """How well does a scaling ladder predict runs it never saw? The GPU benchmark of docs/SCALING.md.
 
     python3 bench/ladder_accuracy.py corpus  --data D                  # real text, tokenized
-    python3 bench/ladder_accuracy.py ladder  --data D --work W         # plan (5% of the targets' compute), run, fit
+    python3 bench/ladder_accuracy.py ladder  --data D --work W         # plan (4.5% of the targets' compute), run, fit
     python3 bench/ladder_accuracy.py targets --data D --work W --names T1,T2 [--probes 0.025,0.05,0.1]
     python3 bench/ladder_accuracy.py table   --work W                  # predicted [interval] vs actual
 
-The targets are the lab's model (configs/x1-50m-a100.yaml: 88.9M parameters) at 12,288 tokens a
-step, 2,000 to 3,000 steps with warm-ups of 100 to 300: four held-out runs, each larger in N and
-D than every rung, trained by the trainer (T4 with `--ladder`: its band and its forecast's prior
-come from the ladder; the others' forecasts with the ladder are replayed from their curves). The ladder is planned with `--max-flops`: its rungs, the learning-rate check
-included, add up to 4.5% of the four targets' training compute (under the 5% it may cost). The
-corpus is every distinct .py file of the machine's Python (standard library and site-packages,
-`python -m x1_pretrain.corpus installed-source`): real text, code and docstrings, no download.
+The targets are the lab's model family (configs/x1-50m-a100.yaml: RMSNorm, SwiGLU, RoPE, tied
+embedding, 3 query heads per key/value head, width 96 per layer) at the width that fits a device
+call: d_model 384, 4 layers, 25.6M parameters (6.3M without the embedding), 12,288 tokens a step,
+lr 1e-3 (AdamW beta2 0.99, as the ladder's rule gives small batches), 3,000 to 4,800 steps with
+warm-ups of 150 to 400: four held-out runs, each larger in N and D than every rung, trained by
+the trainer; and a fifth (T5, 2,000 steps) started with `--ladder` once the ladder is fitted: its
+band and its forecast's prior come from the ladder live (the others' forecasts with the ladder are
+replayed from their curves). The ladder: widths 96, 144, 192 and 288 (1-3 layers), every size on
+the same three token budgets (a full grid), planned with `--max-flops` so that its rungs, the
+learning-rate check included, add up to 4.5% of T1-T4's training compute (under the 5% it may
+cost; T5 only lowers the share). The corpus is every distinct .py file of the machine's Python
+(standard library and site-packages, `python -m x1_pretrain.corpus installed-source`): real text,
+code and docstrings, no download.
 
 Everything a step writes goes under --work; `table` prints the accuracy table and writes
-W/accuracy.json. Several steps can run in one device call (see docs/SCALING.md for the calls).
+W/accuracy.json. Several steps can run in one device call (bench/ladder_device_call.sh).
 """
 
 from __future__ import annotations
@@ -32,12 +38,18 @@ sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 
 CONFIG = "configs/x1-50m-a100.yaml"
 TOKENS_PER_STEP = 12288
-COMMON_SETS = [f"train.tokens_per_step={TOKENS_PER_STEP}", "train.micro_batch_size=12"]
+# The 50M config's family at d_model 384 (width 96 per layer, 3 query heads per kv head, d_ff 8/3).
+MODEL_SETS = ["model.d_model=384", "model.n_layer=4", "model.n_head=6", "model.n_kv_head=2", "model.d_ff=1024"]
+COMMON_SETS = [*MODEL_SETS, f"train.tokens_per_step={TOKENS_PER_STEP}", "train.micro_batch_size=12",
+               "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.beta2=0.99"]
 # name -> (steps, warm-up). T1c is T1 without cooldown probes: the probes' effect on the GPU run.
-TARGETS = {"T1": (2000, 100), "T2": (2300, 150), "T3": (2600, 250), "T4": (3000, 300)}
+# T5 starts once the ladder is fitted, with `--ladder`: the run that shows the declared band and the
+# forecast with the ladder's prior live; the ladder's compute is sized on T1-T4 alone.
+TARGETS = {"T1": (3000, 150), "T2": (3600, 200), "T3": (4200, 300), "T4": (4800, 400), "T5": (2000, 100)}
+SIZED_ON = ("T1", "T2", "T3", "T4")
 CONTROLS = {"T1c": "T1"}
 LADDER_SHARE_OF_TARGETS = 0.045  # of the targets' training compute (the goal: at most 5%)
-FLOPS_PER_TOKEN = 609.07e6  # the 50M config's (x1_pretrain.train.accounting.flops_per_token)
+LADDER_WIDTHS = "96,144,192,288"  # 4 sizes below 384: 1, 2, 2 and 3 layers
 
 
 def env() -> dict[str, str]:
@@ -73,19 +85,29 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     return rc
 
 
+def target_sets(warmup: int, extra: list[str] | None = None) -> list[str]:
+    return [*COMMON_SETS, f"optim.warmup_steps={warmup}", *(extra or [])]
+
+
 def targets_compute() -> float:
-    return sum(steps for steps, _ in TARGETS.values()) * TOKENS_PER_STEP * FLOPS_PER_TOKEN
+    from x1_pretrain.config import load_config
+    from x1_pretrain.train.accounting import flops_per_token
+
+    fpt = flops_per_token(load_config(str(REPO / CONFIG), COMMON_SETS).model)
+    return sum(TARGETS[name][0] for name in SIZED_ON) * TOKENS_PER_STEP * fpt
 
 
 def cmd_ladder(args: argparse.Namespace) -> int:
     work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
     folder = work / "ladder"
     steps, warmup = TARGETS["T4"]  # the largest target: the rungs' recipe is scaled from it
-    sets = [x for s in [*COMMON_SETS, f"optim.warmup_steps={warmup}"] for x in ("--set", s)]
+    sets = [x for s in target_sets(warmup, args.set) for x in ("--set", s)]
     flops = LADDER_SHARE_OF_TARGETS * targets_compute() * args.scale
     argv = [sys.executable, "-m", "x1_pretrain.ladder", "run", "--dir", str(folder), "--config", CONFIG, *sets,
             "--data-dir", args.data, "--gpu", args.gpu, "--price-usd-per-hr", str(args.price), "--total-steps", str(steps),
-            "--max-flops", f"{flops:.6g}", "--jobs", str(args.jobs), "--mlflow-uri", f"file://{(work / 'mlruns').resolve()}"]
+            "--max-flops", f"{flops:.6g}", "--jobs", str(args.jobs), "--mlflow-uri", f"file://{(work / 'mlruns').resolve()}",
+            "--widths", args.widths, "--budgets-by", args.budgets_by]
     if args.sizes:
         argv += ["--sizes", str(args.sizes)]
     if args.budgets:
@@ -101,7 +123,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
     for name in args.names.split(","):
         steps, warmup = TARGETS[CONTROLS.get(name, name)] if not args.steps else (args.steps, args.warmup)
         d = work / "targets" / name
-        sets = [*COMMON_SETS, f"optim.warmup_steps={warmup}"]
+        sets = target_sets(warmup, args.set)
         if args.probes and name not in CONTROLS:
             sets.append(f"train.cooldown_probes=[{args.probes}]")
         argv = [sys.executable, "-m", "x1_pretrain.train", "--config", CONFIG, *[x for s in sets for x in ("--set", s)],
@@ -146,7 +168,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         ckpt = work / "targets" / name / "ckpt"
         if not (ckpt / "latest").exists():
             continue
-        cfg = load_config(CONFIG, [*COMMON_SETS, f"optim.warmup_steps={warmup}"])
+        cfg = load_config(CONFIG, target_sets(warmup))
         counts = param_counts(cfg.model)
         fpt = flops_per_token(cfg.model)
         tokens = steps * TOKENS_PER_STEP
@@ -199,7 +221,7 @@ def cmd_curves(args: argparse.Namespace) -> int:
             print(f"{name}: its last eval is at step {last} of {steps}: left out (not a complete run)")
             continue
         train = [series.get("loss", {}).get(s, math.nan) for s in range(1, steps + 1)]
-        cfg = load_config(CONFIG, [*COMMON_SETS, f"optim.warmup_steps={warmup}"])
+        cfg = load_config(CONFIG, target_sets(warmup))
         counts = param_counts(cfg.model)
         probes = [{"step": s, "steps": int(series["probe_steps"][s]), "val_loss": v}
                   for s, v in sorted(series.get("probe_val_loss", {}).items())]
@@ -231,22 +253,26 @@ def main() -> int:
     s.add_argument("--scale", type=float, default=1.0, help="the ladder's compute times this (a smoke run: 0.1)")
     s.add_argument("--sizes", type=int)
     s.add_argument("--budgets", type=int)
+    s.add_argument("--widths", default=LADDER_WIDTHS)
+    s.add_argument("--budgets-by", default="tokens", choices=("params", "tokens"))
+    s.add_argument("--set", action="append", default=[], help="more config overrides (a CPU smoke run: train.device=cpu)")
     s.set_defaults(func=cmd_ladder)
     s = sub.add_parser("targets")
     s.add_argument("--data", required=True)
     s.add_argument("--work", required=True)
-    s.add_argument("--names", default="T1,T2,T3,T4")
+    s.add_argument("--names", default="T1,T2,T3,T4,T5")
     s.add_argument("--ladder")
     s.add_argument("--probes", help="cooldown probes, shares of the run (train.cooldown_probes)")
     s.add_argument("--steps", type=int, help="a smoke run: this many steps instead of the target's")
     s.add_argument("--warmup", type=int, default=20)
+    s.add_argument("--set", action="append", default=[], help="more config overrides (a CPU smoke run: train.device=cpu)")
     s.set_defaults(func=cmd_targets)
     s = sub.add_parser("table")
     s.add_argument("--work", required=True)
     s.set_defaults(func=cmd_table)
     s = sub.add_parser("curves")
     s.add_argument("--work", required=True)
-    s.add_argument("--names", default="T1,T2,T3,T4")
+    s.add_argument("--names", default="T1,T2,T3,T4,T5")
     s.add_argument("--out", required=True)
     s.add_argument("--device", default="")
     s.set_defaults(func=cmd_curves)

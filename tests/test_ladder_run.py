@@ -56,6 +56,30 @@ def test_a_rung_needing_more_tokens_than_the_corpus_holds_exits_2_naming_both_nu
     assert not (tmp_path / "ladder").exists()
 
 
+def test_named_widths_on_a_token_grid_give_every_size_the_same_budgets(tmp_path, tiny_data):
+    proc = plan(tmp_path, tiny_data, "--widths", "32,64,96", "--budgets-by", "tokens", "--budget-step", "3",
+                "--max-flops", "3e12")
+    assert proc.returncode == 0, proc.stderr
+    rungs = json.loads((tmp_path / "ladder" / "plan.json").read_text())["rungs"]
+    assert sorted({r["model"]["d_model"] for r in rungs}) == [32, 64, 96]
+    grid = {w: sorted(r["tokens"] for r in rungs if r["model"]["d_model"] == w) for w in (32, 64, 96)}
+    for budgets in grid.values():  # the same budgets at every size, each ~3x the last (whole steps)
+        assert len(budgets) == 2 and budgets[1] / budgets[0] == pytest.approx(3, rel=0.2)
+        assert budgets[0] == pytest.approx(grid[32][0], rel=0.2)
+    flops = sum(r["flops_per_token"] * r["tokens"] for r in rungs)
+    assert flops == pytest.approx(3e12, rel=0.2)
+
+
+@pytest.mark.parametrize("flags, named", [(["--widths", "32,256"], "--widths 256"), (["--widths", "32,40"], "--widths"),
+                                          (["--budgets-by", "tokens", "--tokens-per-param", "0.01"], "--tokens-per-param"),
+                                          (["--budget-step", "1"], "--budget-step 1")])
+def test_bad_widths_or_budgets_exit_2_naming_the_flag_and_write_nothing(tmp_path, tiny_data, flags, named):
+    proc = plan(tmp_path, tiny_data, *flags)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert named in proc.stderr
+    assert not (tmp_path / "ladder").exists()
+
+
 @pytest.mark.slow
 def test_a_ladder_killed_mid_way_finishes_without_retraining_a_finished_rung(tmp_path, tiny_data):
     assert plan(tmp_path, tiny_data, "--tokens-per-param", "0.0065", "--jobs", "2").returncode == 0

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import CONFIGS, TINY_CONFIG
 from x1_pretrain.config import load_config
-from x1_pretrain.model.transformer import Attention, Transformer, apply_rope, rope_tables
+from x1_pretrain.model.transformer import Attention, Transformer, apply_rope, rope_kernel_fits, rope_tables
 from x1_pretrain.train.accounting import flops_per_token, param_counts
 
 
@@ -186,3 +186,17 @@ def test_the_residual_dtype_enters_the_config_hash_only_when_it_is_not_the_defau
     base = load_config(TINY_CONFIG)
     assert load_config(TINY_CONFIG, ["train.residual=fp32"]).config_hash() == base.config_hash()
     assert load_config(TINY_CONFIG, ["train.residual=bf16"]).config_hash() != base.config_hash()
+
+
+@pytest.mark.parametrize("d_model, n_head, n_kv_head, fits", [(768, 12, 4, True), (384, 6, 2, True), (96, 3, 1, True),
+                                                              (288, 9, 3, False), (144, 9, 3, False), (240, 15, 5, False)])
+def test_the_rope_kernel_is_used_only_for_shapes_it_takes_and_the_other_kernels_stay(d_model, n_head, n_kv_head, fits):
+    # The ladder's rungs come in widths like 288 (key/value width 96), which Triton's power-of-two
+    # ranges cannot span: RoPE then runs as PyTorch ops, the rest keeps its kernels.
+    cfg = load_config(TINY_CONFIG, [f"model.d_model={d_model}", f"model.n_head={n_head}", f"model.n_kv_head={n_kv_head}",
+                                    "model.n_layer=1"])
+    assert rope_kernel_fits(cfg.model.head_dim, cfg.model.n_kv_head) is fits
+    model = Transformer(cfg.model)
+    model.use_kernels(True)
+    assert model.fused_loss and all(b.mlp.fused for b in model.layers)
+    assert all(b.attn.fused is fits for b in model.layers)

@@ -112,6 +112,23 @@ def add_plan_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    help="each size's smallest budget in tokens per parameter, instead of what the share buys")
     g.add_argument("--max-flops", type=float,
                    help="the rungs' training compute in all (FLOPs), instead of what the share buys")
+    g.add_argument("--widths", type=widths_list, metavar="W,W,...",
+                   help="the sizes by d_model (e.g. 96,144,192,288), instead of --sizes of the default widths; "
+                        "each gets the target's width/depth, its head dim a power of two")
+    g.add_argument("--budgets-by", choices=("params", "tokens"), default="params",
+                   help="params (default): each size's budgets are multiples of its parameter count; tokens: every "
+                        "size trains on the same token budgets (a full grid, small sizes as long as large ones)")
+    g.add_argument("--budget-step", type=float, default=2.0, help="each token budget over the last (default 2)")
+
+
+def widths_list(text: str) -> list[int]:
+    try:
+        widths = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers separated by commas, like 96,144,192,288") from None
+    if len(widths) < 2 or min(widths) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least two positive widths")
+    return widths
 
 
 # Aggregate tokens/s of 4 rungs at once over one alone, measured (docs/SCALING.md): small models
@@ -135,7 +152,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[LadderPlan, dict[str, Any]
                                 lr_sweep=not args.no_lr_sweep, jobs=jobs, concurrency_gain=gain,
                                 corpus_train_tokens=prov.get("corpus_train_tokens"),
                                 tokens_per_sec=args.tokens_per_sec, smallest_width=args.smallest_width,
-                                tokens_per_param=args.tokens_per_param, max_flops=args.max_flops)
+                                tokens_per_param=args.tokens_per_param, max_flops=args.max_flops,
+                                widths=args.widths, budgets_by=args.budgets_by, budget_step=args.budget_step)
     except (ConfigError, ValueError) as e:
         if isinstance(e, LadderRefused):
             raise
@@ -274,7 +292,8 @@ def cmd_step(args: argparse.Namespace) -> int:
                                 budgets=args.budgets, no_lr_sweep=args.no_lr_sweep, jobs=args.jobs,
                                 concurrency_gain=args.concurrency_gain, tokens_per_sec=cfg.train.expected_tokens_per_sec,
                                 smallest_width=args.smallest_width, tokens_per_param=args.tokens_per_param,
-                                max_flops=args.max_flops)
+                                max_flops=args.max_flops, widths=args.widths, budgets_by=args.budgets_by,
+                                budget_step=args.budget_step)
     planned = plan_once(folder, ns)
     if isinstance(planned, int):
         return planned

@@ -121,12 +121,22 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
                      jobs: int = 1, concurrency_gain: float = 1.0, corpus_train_tokens: int | None = None,
                      tokens_per_sec: float | None = None, smallest_width: int | None = None,
                      setup_hours: float = 0.75, tokens_per_param: float | None = None,
-                     max_flops: float | None = None) -> LadderPlan:
+                     max_flops: float | None = None, widths: list[int] | None = None,
+                     budgets_by: str = "params", budget_step: float = 2.0) -> LadderPlan:
     """The rungs. Their token budgets: each size's smallest is `r` x its parameters, r the largest
     that fits the share of the main run's hours; or r = `tokens_per_param` as given; or the r whose
-    rungs add up to `max_flops` of training compute (a benchmark's "5% of the targets' compute")."""
+    rungs add up to `max_flops` of training compute (a benchmark's "5% of the targets' compute").
+    With `budgets_by="tokens"` every size trains on the same budgets (r tokens, then `budget_step`
+    times the last): a full grid of sizes x budgets, whose small sizes see as many tokens as the
+    large ones. `widths` names the sizes instead of `sizes` of the default widths."""
     if not 0 < share < 1:
         raise LadderPlanError(f"--share {share}: a share of the main run's hours, between 0 and 1")
+    if budgets_by not in ("params", "tokens"):
+        raise LadderPlanError(f"--budgets-by {budgets_by}: params or tokens")
+    if budget_step <= 1:
+        raise LadderPlanError(f"--budget-step {budget_step}: each budget must be larger than the last (> 1)")
+    if widths is not None:
+        sizes = len(widths)
     if sizes < 2 or budgets < 2:
         raise LadderPlanError(f"--sizes {sizes} --budgets {budgets}: the law needs at least 2 sizes and 2 budgets "
                               "(4 sizes x 3 budgets by default)")
@@ -143,18 +153,32 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
     main_train_hours = steps * cfg.train.tokens_per_step / main.tokens_per_sec / 3600.0
     allowance_s = share * main_train_hours * 3600.0
     target_n = param_counts(cfg.model)["total"]
-    models = [scaled_model(cfg.model, w) for w in widths_for(cfg.model, sizes, smallest_width)]
-    models = [m for m in models if param_counts(m)["total"] < target_n]
+    if widths is not None:
+        try:
+            models = [scaled_model(cfg.model, w) for w in sorted(set(widths))]
+        except ValueError as e:
+            raise LadderPlanError(f"--widths: {e}") from None
+        bigger = [m.d_model for m in models if param_counts(m)["total"] >= target_n]
+        if bigger:
+            raise LadderPlanError(f"--widths {bigger[0]}: not smaller than the target's {fmt_count(target_n)} parameters "
+                                  f"(d_model {cfg.model.d_model})")
+    else:
+        models = [scaled_model(cfg.model, w) for w in widths_for(cfg.model, sizes, smallest_width)]
+        models = [m for m in models if param_counts(m)["total"] < target_n]
     if len(models) < 2:
         raise LadderPlanError(f"{cfg.name}: the model is too small for a ladder below it (d_model {cfg.model.d_model})")
     tps = {m.d_model: rung_tokens_per_sec(main.tokens_per_sec, m, cfg.model) for m in models}
-    multiples = [2.0 ** j for j in range(budgets)]
-    # GPU seconds per unit of tokens-per-parameter, concurrency counted, and the fixed start-ups.
-    per_unit = sum(size_facts(m).n_params * k / tps[m.d_model] for m in models for k in multiples) / concurrency_gain
+    multiples = [budget_step ** j for j in range(budgets)]
+
+    def weight(m: ModelConfig) -> float:  # a size's tokens per unit of r
+        return float(size_facts(m).n_params) if budgets_by == "params" else 1.0
+
+    # GPU seconds per unit of r, concurrency counted, and the fixed start-ups.
+    per_unit = sum(weight(m) * k / tps[m.d_model] for m in models for k in multiples) / concurrency_gain
     sweep_model = models[0]
     sweep_k = multiples[len(multiples) // 2]
     if lr_sweep:
-        per_unit += len(LR_SWEEP) * size_facts(sweep_model).n_params * sweep_k / tps[sweep_model.d_model] / concurrency_gain
+        per_unit += len(LR_SWEEP) * weight(sweep_model) * sweep_k / tps[sweep_model.d_model] / concurrency_gain
     n_rungs = len(models) * budgets + (len(LR_SWEEP) if lr_sweep else 0)
     start_s = START_SECONDS_CPU if cfg.train.device == "cpu" else START_SECONDS
     fixed = n_rungs * start_s / max(1, jobs)
@@ -163,14 +187,16 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
                             f"{allowance_s / 60:.1f} min) does not cover the start-up of {n_rungs} rungs "
                             f"({fixed / 60:.1f} min): raise --share or train the main run longer")
     if tokens_per_param is not None:
+        if budgets_by != "params":
+            raise LadderPlanError("--tokens-per-param sizes budgets by parameters: not with --budgets-by tokens")
         r = tokens_per_param
     elif max_flops is not None:
-        flops_unit = sum(size_facts(m).n_params * k * size_facts(m).flops_per_token for m in models for k in multiples)
+        flops_unit = sum(weight(m) * k * size_facts(m).flops_per_token for m in models for k in multiples)
         if lr_sweep:
-            flops_unit += len(LR_SWEEP) * size_facts(sweep_model).n_params * sweep_k * size_facts(sweep_model).flops_per_token
+            flops_unit += len(LR_SWEEP) * weight(sweep_model) * sweep_k * size_facts(sweep_model).flops_per_token
         r = max_flops / flops_unit
     else:
-        r = (allowance_s - fixed) / per_unit  # tokens per parameter of each size's smallest budget
+        r = (allowance_s - fixed) / per_unit  # the smallest budget: tokens per parameter, or tokens
     rungs: list[RungSpec] = []
 
     def add(m: ModelConfig, tokens: float, role: str, lr_scale: float = 1.0) -> None:
@@ -187,10 +213,10 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
 
     for m in models:
         for k in multiples:
-            add(m, r * k * size_facts(m).n_params, "fit")
+            add(m, r * k * weight(m), "fit")
     if lr_sweep:
         for s in LR_SWEEP:
-            add(sweep_model, r * sweep_k * size_facts(sweep_model).n_params, "lr-sweep", s)
+            add(sweep_model, r * sweep_k * weight(sweep_model), "lr-sweep", s)
     short = [x for x in rungs if x.recipe["total_steps"] < MIN_RUNG_STEPS]
     if short:
         raise LadderRefused(f"the ladder's share buys {short[0].name} only {short[0].recipe['total_steps']} steps "

@@ -64,6 +64,14 @@ def rope_tables(head_dim: int, max_len: int, base: float, device: torch.device |
     return emb.cos().float(), emb.sin().float()
 
 
+def rope_kernel_fits(head_dim: int, n_kv_head: int) -> bool:
+    """Whether kernels.rope_qkv takes this shape: Triton's ranges are powers of two, and the kernel
+    spans half a head and the whole key/value width (a 288-wide model's 96 does not fit)."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+    return pow2(head_dim // 2) and pow2(head_dim * n_kv_head)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, H, hd); cos/sin: (T, hd) broadcast over batch and heads
     cos = cos[None, :, None, :].to(x.dtype)
@@ -302,10 +310,13 @@ class Transformer(nn.Module):
             block.attn.lt = block.mlp.lt = on
 
     def use_kernels(self, on: bool) -> None:
-        """Our Triton kernels (cross-entropy, RoPE, SwiGLU) instead of PyTorch's ops; same math."""
+        """Our Triton kernels (cross-entropy, RoPE, SwiGLU) instead of PyTorch's ops; same math.
+        RoPE's kernel stays off for a shape it cannot take (`rope_kernel_fits`): PyTorch's ops then."""
         self.fused_loss = on
+        rope = on and rope_kernel_fits(self.cfg.head_dim, self.cfg.n_kv_head)
         for block in self.layers:
-            block.attn.fused = block.mlp.fused = on
+            block.mlp.fused = on
+            block.attn.fused = rope
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
                copies: dict[str, Any] | None = None) -> torch.Tensor:
