@@ -70,6 +70,18 @@ def test_named_widths_on_a_token_grid_give_every_size_the_same_budgets(tmp_path,
     assert flops == pytest.approx(3e12, rel=0.2)
 
 
+def test_iso_flop_budgets_give_every_size_the_same_compute_and_the_smallest_the_most_tokens(tmp_path, tiny_data):
+    proc = plan(tmp_path, tiny_data, "--widths", "32,64,96", "--budgets-by", "flops", "--max-flops", "3e12")
+    assert proc.returncode == 0, proc.stderr
+    rungs = json.loads((tmp_path / "ladder" / "plan.json").read_text())["rungs"]
+    for k in range(2):  # the k-th budget of every size: the same FLOPs (whole steps aside)
+        level = [sorted(r["flops_per_token"] * r["tokens"] for r in rungs if r["model"]["d_model"] == w)[k]
+                 for w in (32, 64, 96)]
+        assert max(level) / min(level) == pytest.approx(1, abs=0.2)
+    most = max(rungs, key=lambda r: r["tokens"])
+    assert most["model"]["d_model"] == 32
+
+
 @pytest.mark.parametrize("flags, named", [(["--widths", "32,256"], "--widths 256"), (["--widths", "32,40"], "--widths"),
                                           (["--budgets-by", "tokens", "--tokens-per-param", "0.01"], "--tokens-per-param"),
                                           (["--budget-step", "1"], "--budget-step 1")])

@@ -115,9 +115,10 @@ def add_plan_flags(p: argparse.ArgumentParser, required: bool) -> None:
     g.add_argument("--widths", type=widths_list, metavar="W,W,...",
                    help="the sizes by d_model (e.g. 96,144,192,288), instead of --sizes of the default widths; "
                         "each gets the target's width/depth, its head dim a power of two")
-    g.add_argument("--budgets-by", choices=("params", "tokens"), default="params",
+    g.add_argument("--budgets-by", choices=("params", "tokens", "flops"), default="params",
                    help="params (default): each size's budgets are multiples of its parameter count; tokens: every "
-                        "size trains on the same token budgets (a full grid, small sizes as long as large ones)")
+                        "size trains on the same token budgets (a full grid, small sizes as long as large ones); "
+                        "flops: every size at the same compute budgets (iso-FLOP, the smallest size longest)")
     g.add_argument("--budget-step", type=float, default=2.0, help="each token budget over the last (default 2)")
 
 

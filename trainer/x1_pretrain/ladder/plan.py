@@ -128,11 +128,12 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
     rungs add up to `max_flops` of training compute (a benchmark's "5% of the targets' compute").
     With `budgets_by="tokens"` every size trains on the same budgets (r tokens, then `budget_step`
     times the last): a full grid of sizes x budgets, whose small sizes see as many tokens as the
-    large ones. `widths` names the sizes instead of `sizes` of the default widths."""
+    large ones; with "flops" every size trains at the same compute budgets (iso-FLOP rungs, the
+    smallest size longest). `widths` names the sizes instead of `sizes` of the default widths."""
     if not 0 < share < 1:
         raise LadderPlanError(f"--share {share}: a share of the main run's hours, between 0 and 1")
-    if budgets_by not in ("params", "tokens"):
-        raise LadderPlanError(f"--budgets-by {budgets_by}: params or tokens")
+    if budgets_by not in ("params", "tokens", "flops"):
+        raise LadderPlanError(f"--budgets-by {budgets_by}: params, tokens or flops")
     if budget_step <= 1:
         raise LadderPlanError(f"--budget-step {budget_step}: each budget must be larger than the last (> 1)")
     if widths is not None:
@@ -171,6 +172,8 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
     multiples = [budget_step ** j for j in range(budgets)]
 
     def weight(m: ModelConfig) -> float:  # a size's tokens per unit of r
+        if budgets_by == "flops":  # r is FLOPs: every size at the same compute, the small ones longest
+            return 1.0 / size_facts(m).flops_per_token
         return float(size_facts(m).n_params) if budgets_by == "params" else 1.0
 
     # GPU seconds per unit of r, concurrency counted, and the fixed start-ups.
@@ -196,7 +199,7 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
             flops_unit += len(LR_SWEEP) * weight(sweep_model) * sweep_k * size_facts(sweep_model).flops_per_token
         r = max_flops / flops_unit
     else:
-        r = (allowance_s - fixed) / per_unit  # the smallest budget: tokens per parameter, or tokens
+        r = (allowance_s - fixed) / per_unit  # the smallest budget: tokens per parameter, tokens or FLOPs
     rungs: list[RungSpec] = []
 
     def add(m: ModelConfig, tokens: float, role: str, lr_scale: float = 1.0) -> None:
