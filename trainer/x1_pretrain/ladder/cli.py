@@ -104,7 +104,7 @@ def add_plan_flags(p: argparse.ArgumentParser, required: bool) -> None:
     g.add_argument("--no-lr-sweep", action="store_true", help="skip the learning-rate check on the smallest size")
     g.add_argument("--jobs", type=int, default=None, help="rungs trained at once (default 4 on a GPU, 2 on a CPU)")
     g.add_argument("--concurrency-gain", type=float, default=None,
-                   help="aggregate tokens/s of --jobs rungs at once over one alone (default: measured for the GPU, "
+                   help="aggregate tokens/s of --jobs rungs at once over one alone (default: the GPU's figure, "
                         "docs/SCALING.md; 1 on a CPU)")
     g.add_argument("--tokens-per-sec", type=float, help="the main run's tokens/s, where plan has no figure")
     g.add_argument("--smallest-width", type=int, help="the narrowest rung's d_model (default: an eighth of the target's)")
@@ -132,8 +132,9 @@ def widths_list(text: str) -> list[int]:
     return widths
 
 
-# Aggregate tokens/s of 4 rungs at once over one alone, measured (docs/SCALING.md): small models
-# leave most of a big GPU idle, so several at once cost little more time than one.
+# Aggregate tokens/s of several rungs at once over one alone: small models leave most of a big GPU
+# idle, so several at once cost little more time than one. An estimate where docs/SCALING.md has no
+# measurement for the GPU (bench/ladder_concurrency.py measures it); rungs.json records what ran.
 CONCURRENCY_GAIN = {"h200": 2.0, "h100-sxm": 2.0, "h100-pcie": 2.0, "a100-80gb": 1.6, "a100-40gb": 1.6}
 
 
