@@ -236,3 +236,24 @@ print(json.dumps([cublaslt.chosen(a, b), cublaslt.tuning(a, b)[1] != [], cublasl
     assert runs[0][2].startswith("cuBLASLt: 2 matmul shapes, 2 timed, 0 at the algorithm kept in "), runs[0][2]
     assert runs[1][2].startswith("cuBLASLt: 2 matmul shapes, 0 timed, 2 at the algorithm kept in "), runs[1][2]
     assert len(json.loads((tmp_path / "cublaslt.json").read_text())) >= 2
+
+
+def test_available_carries_the_mark_torch_compiler_sets_for_a_constant_result():
+    # Our decorator spares every process the import of torch._dynamo; it must stay the one torch
+    # applies, or torch.compile would trace into available() instead of keeping its answer.
+    def probe() -> bool:
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    marks = {k: v for k, v in vars(marked).items() if k.startswith("_dynamo")}
+    assert marks, "torch.compiler.assume_constant_result no longer marks the function itself"
+    assert {k: v for k, v in vars(cublaslt.available).items() if k.startswith("_dynamo")} == marks
+
+
+def test_importing_the_trainer_does_not_import_the_compiler_or_scipy():
+    # Each trainer, rung and test process starts with these imports; torch._dynamo (2 s) comes with
+    # torch.compile when a run compiles, SciPy (0.6 s) with the first forecast.
+    code = ("import sys, x1_pretrain.train.main; "
+            "print(sorted(m for m in ('torch._dynamo', 'scipy.optimize') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

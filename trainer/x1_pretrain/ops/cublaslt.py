@@ -118,7 +118,15 @@ def _pytorch_runs(a: torch.Tensor, out: torch.Tensor, beta: float) -> bool:
     return not beta or out.dtype == a.dtype or addmm_into_fp32(out.device)
 
 
-@torch.compiler.assume_constant_result  # torch.compile runs it once and keeps the answer
+def constant_under_compile(fn):
+    """`torch.compiler.assume_constant_result` (torch.compile runs `fn` once and keeps the answer)
+    without importing torch._dynamo at import time: that import is 2 s of every process's start,
+    most of which never compile. The mark is the one torch sets (tests/test_cublaslt.py checks)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_under_compile
 def available() -> bool:
     """Whether this process can run matmuls here (a CUDA GPU and the libcublasLt PyTorch loaded)."""
     global _available

@@ -150,16 +150,22 @@ def float8_problem(f: Features) -> str | None:
     return None
 
 
-def probe(device: torch.device, arch: str = "auto") -> Features:
+def _probe_compiled_autograd() -> bool:
+    from torch._dynamo import compiled_autograd as ca
+
+    return hasattr(ca, "_enable")
+
+
+def probe(device: torch.device, arch: str = "auto", compiled_autograd: bool = True) -> Features:
     """Ask this torch and this device what each lever needs (once, at start-up: a few seconds of
     Triton compile on a GPU). `arch` sm80/sm90: judge the architecture-bound levers as if the GPU
-    had that compute capability (on a CPU there is no GPU to pretend for)."""
+    had that compute capability (on a CPU there is no GPU to pretend for). `compiled_autograd`
+    False: a run that does not compile is not asked about it (its probe imports torch._dynamo,
+    2 s of a start that nothing else there needs); the answer is then False."""
     cuda = device.type == "cuda"
     capability = None
     if cuda:
         capability = ARCH_CAPABILITY.get(arch) or tuple(torch.cuda.get_device_capability(device))
-    from torch._dynamo import compiled_autograd as ca
-
     return Features(
         cuda=cuda,
         capability=capability,
@@ -167,7 +173,7 @@ def probe(device: torch.device, arch: str = "auto") -> Features:
         triton=cuda and _probe_triton(device),
         cublaslt=cuda and _probe_cublaslt(),
         addmm_out_dtype=cuda and _probe_addmm_out_dtype(device),
-        compiled_autograd=hasattr(ca, "_enable"),
+        compiled_autograd=compiled_autograd and _probe_compiled_autograd(),
         get_total_norm=hasattr(torch.nn.utils, "get_total_norm"),
         flash_attn=cuda and _probe_flash_attn(),
         torchao=cuda and _probe_torchao(),

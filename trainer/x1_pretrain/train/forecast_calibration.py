@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import curve_fit, least_squares
 
 from x1_common import scaling
 from x1_common.fsutil import write_json_atomic
@@ -154,6 +153,7 @@ def _rung_priors(rungs: str) -> Priors:
 
 def fit_power(steps: np.ndarray, losses: np.ndarray, total: int) -> float:
     """E + A t^-alpha, every parameter fitted: the schedule-blind extrapolation."""
+    from scipy.optimize import curve_fit  # here: SciPy is 0.6 s of every trainer's start
     def f(t, E, A, alpha):
         return E + A * t ** -alpha
 
@@ -190,6 +190,7 @@ def multi_power_loss(params: np.ndarray, schedule: Schedule, steps: np.ndarray) 
 def fit_multi_power(run: RunCurve, until: int | None = None, decay: np.ndarray | None = None) -> np.ndarray:
     """The multi-power law's 7 parameters from the val points up to `until` (default: all). With
     `decay` (B, C, beta, gamma) given, only L0, A, alpha are fitted: the protocol the forecast uses."""
+    from scipy.optimize import least_squares  # here: SciPy is 0.6 s of every trainer's start
     first = max(run.schedule.warmup_steps, 1)
     keep = (run.val_steps >= first) & (run.val_steps <= (until or run.schedule.total_steps))
     vs, vl = run.val_steps[keep], run.val[keep]
@@ -263,6 +264,7 @@ def load_curves(path: Path) -> list[RunCurve]:
 
 def fit_complete(run: RunCurve, memory: float) -> tuple[float, float]:
     """(C, alpha) of the whole curve, every parameter live: what a complete run says of the decay."""
+    from scipy.optimize import least_squares  # here: SciPy is 0.6 s of every trainer's start
     S1, S2 = areas(run.schedule, memory)
     first = max(run.schedule.warmup_steps, 1)
     keep = run.val_steps >= first

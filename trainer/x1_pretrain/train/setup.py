@@ -411,7 +411,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     grad_accum = cfg.grad_accum(d.world_size)  # ConfigError when the world size does not divide
     # Each lever probed once: what this torch and this GPU (or the architecture train.gpu_arch names)
     # cannot run is switched off in the config, with a line saying so (x1_pretrain.ops.levers).
-    features = levers.probe(d.device, cfg.train.gpu_arch)
+    features = levers.probe(d.device, cfg.train.gpu_arch,
+                            compiled_autograd=cfg.train.compiled_autograd and cfg.train.compile)
     cfg, lever_table = levers.resolve(cfg, features, d.world_size)
     if d.is_main:
         lever_table.log()
