@@ -5,23 +5,9 @@
 # machine, with the plain reference at $REFERENCE and the wheels the machine lacks in .whl/, writing
 # under $OUT:
 #   REFERENCE=.device/reference_50m.py OUT=out BUDGETS_BY=flops WIDTHS=48,96,192,288 bash bench/ladder_design_call.sh
-set -u
-END=${END:-570}
-left() { echo $(( END - SECONDS > 5 ? END - SECONDS : 5 )); }
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/triton
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,sys;print(torch.__version__, sys.version)"; date -u; } > "$OUT/env.txt" 2>&1
+source bench/device_env.sh
 B="python3 bench/ladder_accuracy.py"; W=/tmp/w2; D=/tmp/d
-rm -rf "$W"; mkdir -p "$W"
-python3 "$REFERENCE" > "$OUT/reference.txt" 2>&1 &
-REF=$!
-[ -f $D/meta.json ] || timeout 150 $B corpus --data $D --max-mb 900 > $W/corpus.txt 2>&1
-wait $REF
-echo "corpus and reference done at ${SECONDS} s" >> "$OUT/env.txt"
+corpus_and_reference "$D" "$W"
 timeout $(( $(left) - 250 )) $B ladder --data $D --work $W --jobs 8 --budgets-by "${BUDGETS_BY:-flops}" \
   --widths "${WIDTHS:-48,96,192,288}" > $W/ladder.txt 2>&1
 echo "ladder done at ${SECONDS} s" >> "$OUT/env.txt"

@@ -5,25 +5,9 @@
 # repository root on the GPU machine, with the plain reference at $REFERENCE and the wheels the machine
 # lacks in .whl/ (docs/PERFORMANCE.md says which), writing under $OUT:
 #   REFERENCE=.device/reference_50m.py OUT=out bash bench/ladder_device_call.sh
-# Every step has a deadline inside the call's 10 minutes (END, seconds from the start), so whatever
-# finished comes back.
-set -u
-END=${END:-570}
-left() { echo $(( END - SECONDS > 5 ? END - SECONDS : 5 )); }
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/triton
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,sys;print(torch.__version__, sys.version)"; date -u; git log --oneline -1; } > "$OUT/env.txt" 2>&1
+source bench/device_env.sh
 B="python3 bench/ladder_accuracy.py"; W=/tmp/w; D=/tmp/d; P="--probes 0.025,0.05,0.1"
-rm -rf "$W"; mkdir -p "$W"
-python3 "$REFERENCE" > "$OUT/reference.txt" 2>&1 &
-REF=$!
-[ -f $D/meta.json ] || timeout 150 $B corpus --data $D --max-mb 900 > $W/corpus.txt 2>&1
-wait $REF
-echo "corpus and reference done at ${SECONDS} s" >> "$OUT/env.txt"
+corpus_and_reference "$D" "$W"
 ( timeout $(( $(left) - 150 )) $B ladder --data $D --work $W --jobs 8 > $W/ladder.txt 2>&1
   echo "ladder done at ${SECONDS} s" >> "$OUT/env.txt"
   timeout $(left) $B targets --data $D --work $W --names T5 $P --ladder $W/ladder/ladder.json > $W/t5.txt 2>&1 ) &
