@@ -186,3 +186,16 @@ def test_a_diverged_rung_is_left_out_of_the_fit_and_named():
 def test_points_fewer_than_the_law_needs_are_refused_before_any_fit():
     with pytest.raises(RungsError, match="needs at least 2 sizes, 2 budgets and 7 rungs"):
         make_ladder(rungs_from(TRUE, 0.0, sizes=(4e6, 7e6), multiples=(10, 20, 40)), samples=4)
+
+
+def test_rungs_that_show_no_size_or_a_steep_exponent_are_said_to_be_outside_the_laws_regime():
+    grid = [(n, d) for n in SIZES for d in (2e7, 4e7, 8e7)]  # every size on the same budgets
+    lawful = make_ladder([{"n_params": n, "n_params_nonembedding": n * 0.2, "tokens": d,
+                           "final_val_loss": TRUE.loss(n, d)} for n, d in grid], samples=4)
+    assert not any("size does not show" in n or "exponent of 1" in n for n in lawful["notes"])
+    # What the GPU showed: at every budget the sizes ended alike, and loss fell faster with each doubling.
+    early = [{"n_params": n, "n_params_nonembedding": n * 0.2, "tokens": d,
+              "final_val_loss": 6.0 - 0.4 * math.log2(d / 1e7) ** 1.3 + 0.004 * math.log(n)} for n, d in grid]
+    notes = make_ladder(early, samples=4)["notes"]
+    assert any(n.startswith("at 80,000,000 tokens the 4 sizes ended within") and "not to be trusted" in n
+               for n in notes), notes
