@@ -14,12 +14,12 @@ mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,sys;print(torch.__version__, sys.version)"; date -u; } > "$OUT/env.txt" 2>&1
 
 # The plain reference (its tokens/s beside the call's figures) while the real-text corpus is built
-# into $1 (skipped where it is there), the work folder $2 made empty.
+# into $1 (skipped where it is there; CORPUS_MB caps it, default 900), the work folder $2 made empty.
 corpus_and_reference() {
   rm -rf "$2"; mkdir -p "$2"
   python3 "$REFERENCE" > "$OUT/reference.txt" 2>&1 &
   local ref=$!
-  [ -f "$1/meta.json" ] || timeout 150 python3 bench/ladder_accuracy.py corpus --data "$1" --max-mb 900 > "$2/corpus.txt" 2>&1
+  [ -f "$1/meta.json" ] || timeout 150 python3 bench/ladder_accuracy.py corpus --data "$1" --max-mb "${CORPUS_MB:-900}" > "$2/corpus.txt" 2>&1
   wait $ref
   echo "corpus and reference done at ${SECONDS} s" >> "$OUT/env.txt"
 }

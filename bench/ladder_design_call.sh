@@ -8,9 +8,11 @@
 source bench/device_env.sh
 B="python3 bench/ladder_accuracy.py"; W=/tmp/w2; D=/tmp/d
 corpus_and_reference "$D" "$W"
-timeout $(( $(left) - 250 )) $B ladder --data $D --work $W --jobs 8 --budgets-by "${BUDGETS_BY:-flops}" \
-  --widths "${WIDTHS:-48,96,192,288}" > $W/ladder.txt 2>&1
-echo "ladder done at ${SECONDS} s" >> "$OUT/env.txt"
+if [ "${LADDER:-1}" = 1 ]; then  # LADDER=0: the concurrency measurement alone (CORPUS_MB=50 is then enough)
+  timeout $(( $(left) - 250 )) $B ladder --data $D --work $W --jobs 8 --budgets-by "${BUDGETS_BY:-flops}" \
+    --widths "${WIDTHS:-48,96,192,288}" > $W/ladder.txt 2>&1
+  echo "ladder done at ${SECONDS} s" >> "$OUT/env.txt"
+fi
 timeout $(( $(left) - 10 )) python3 bench/ladder_concurrency.py --data $D --work $W/concurrency --widths 96,288 \
   --jobs 1,8 --steps 400 > "$OUT/concurrency.md" 2>&1
 echo "concurrency done at ${SECONDS} s" >> "$OUT/env.txt"
