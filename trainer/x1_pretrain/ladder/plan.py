@@ -176,13 +176,15 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
             return 1.0 / size_facts(m).flops_per_token
         return float(size_facts(m).n_params) if budgets_by == "params" else 1.0
 
-    # GPU seconds per unit of r, concurrency counted, and the fixed start-ups.
-    per_unit = sum(weight(m) * k / tps[m.d_model] for m in models for k in multiples) / concurrency_gain
-    sweep_model = models[0]
-    sweep_k = multiples[len(multiples) // 2]
+    # Every rung as (size, multiple of r, role, lr scale): the fit's grid, then the lr check on the
+    # smallest size at its middle budget. Its cost, its compute and the rungs all come from this list.
+    sweep_model, sweep_k = models[0], multiples[len(multiples) // 2]
+    units = [(m, k, "fit", 1.0) for m in models for k in multiples]
     if lr_sweep:
-        per_unit += len(LR_SWEEP) * weight(sweep_model) * sweep_k / tps[sweep_model.d_model] / concurrency_gain
-    n_rungs = len(models) * budgets + (len(LR_SWEEP) if lr_sweep else 0)
+        units += [(sweep_model, sweep_k, "lr-sweep", s) for s in LR_SWEEP]
+    # GPU seconds per unit of r, concurrency counted, and the fixed start-ups.
+    per_unit = sum(weight(m) * k / tps[m.d_model] for m, k, _, _ in units) / concurrency_gain
+    n_rungs = len(units)
     start_s = START_SECONDS_CPU if cfg.train.device == "cpu" else START_SECONDS
     fixed = n_rungs * start_s / max(1, jobs)
     if tokens_per_param is None and max_flops is None and allowance_s <= fixed:
@@ -191,13 +193,10 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
                             f"({fixed / 60:.1f} min): raise --share or train the main run longer")
     if tokens_per_param is not None:
         if budgets_by != "params":
-            raise LadderPlanError("--tokens-per-param sizes budgets by parameters: not with --budgets-by tokens")
+            raise LadderPlanError(f"--tokens-per-param sizes budgets by parameters: not with --budgets-by {budgets_by}")
         r = tokens_per_param
     elif max_flops is not None:
-        flops_unit = sum(weight(m) * k * size_facts(m).flops_per_token for m in models for k in multiples)
-        if lr_sweep:
-            flops_unit += len(LR_SWEEP) * weight(sweep_model) * sweep_k * size_facts(sweep_model).flops_per_token
-        r = max_flops / flops_unit
+        r = max_flops / sum(weight(m) * k * size_facts(m).flops_per_token for m, k, _, _ in units)
     else:
         r = (allowance_s - fixed) / per_unit  # the smallest budget: tokens per parameter, tokens or FLOPs
     rungs: list[RungSpec] = []
@@ -214,12 +213,8 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
             tokens=int(tokens), recipe=asdict(rec), lr_scale=lr_scale, tokens_per_sec=tps[m.d_model],
             eval_every=max(1, rec.total_steps // EVALS_PER_RUNG), start_seconds=start_s))
 
-    for m in models:
-        for k in multiples:
-            add(m, r * k * weight(m), "fit")
-    if lr_sweep:
-        for s in LR_SWEEP:
-            add(sweep_model, r * sweep_k * weight(sweep_model), "lr-sweep", s)
+    for m, k, role, lr_scale in units:
+        add(m, r * k * weight(m), role, lr_scale)
     short = [x for x in rungs if x.recipe["total_steps"] < MIN_RUNG_STEPS]
     if short:
         raise LadderRefused(f"the ladder's share buys {short[0].name} only {short[0].recipe['total_steps']} steps "

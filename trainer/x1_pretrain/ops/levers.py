@@ -75,7 +75,7 @@ class Features:
     triton: bool  # Triton imports and compiles a kernel for this device
     cublaslt: bool  # libcublasLt loads from the torch build (ctypes), with the calls the tuning uses
     addmm_out_dtype: bool  # torch.addmm(..., out_dtype=float32, out=acc) adds a bf16 product into fp32 (torch >= 2.8)
-    compiled_autograd: bool  # torch._dynamo.compiled_autograd._enable (torch >= 2.7)
+    compiled_autograd: bool  # torch._dynamo.compiled_autograd._enable (torch >= 2.7); False where not asked (probe)
     get_total_norm: bool  # torch.nn.utils.get_total_norm (torch >= 2.6)
     flash_attn: bool  # flash_attn_func imports
     torchao: bool  # torchao.float8 imports
