@@ -254,7 +254,7 @@ def main() -> int:
     s.add_argument("--sizes", type=int)
     s.add_argument("--budgets", type=int)
     s.add_argument("--widths", default=LADDER_WIDTHS)
-    s.add_argument("--budgets-by", default="tokens", choices=("params", "tokens"))
+    s.add_argument("--budgets-by", default="tokens", choices=("params", "tokens", "flops"))
     s.add_argument("--set", action="append", default=[], help="more config overrides (a CPU smoke run: train.device=cpu)")
     s.set_defaults(func=cmd_ladder)
     s = sub.add_parser("targets")
