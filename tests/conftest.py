@@ -4,6 +4,7 @@ test session (built from the Python standard library's docstrings, no download).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sigint_as_in_a_terminal() -> None:
+    """A child's `preexec_fn`: SIGINT's default restored, as a terminal's foreground job has it. A
+    suite started in the background by a non-interactive shell (`bash .ci/run &`) hands its children
+    SIGINT ignored, Python then keeps it ignored, and a test's Ctrl-C would never land."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -33,7 +33,7 @@ import uvicorn
 from compose_stack import TORCH_IMAGE, ca_bundle, run
 
 from budget_sidecar.fake_billing import FakeCloud, create_app
-from conftest import REPO
+from conftest import REPO, sigint_as_in_a_terminal
 
 PREFIX = "x1-i43"
 INSTANCE_IMAGE = f"{PREFIX}-instance:test"
@@ -195,8 +195,10 @@ class X1:
         return proc
 
     def start(self, *args: str, cwd: Path | None = None) -> Running:
+        """`x1 ARGS` running, its lines collected; a Ctrl-C (SIGINT) reaches it as at a terminal."""
         return Running(subprocess.Popen([self.exe, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=self.env, cwd=cwd, stdin=subprocess.DEVNULL))
+                                        env=self.env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                        preexec_fn=sigint_as_in_a_terminal))
 
 
 class Running:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from test_export_run import spiked_run
 
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, sigint_as_in_a_terminal
 from x1_common.contracts import SIDECAR_PORT
 
 __all__ = ["spiked_run"]  # the shared session fixture, imported so pytest finds it here
@@ -41,14 +41,12 @@ PORTS_LINE = re.compile(r"ports: mlflow (\d+), trainer (\d+), sidecar (\d+), wat
 
 
 def start_demo(workspace: Path, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    # A session of its own, as a terminal's job would be: the signals we send reach the demo only.
-    # SIGINT's default restored in it, as a terminal's foreground job has it: a suite started in
-    # the background by a non-interactive shell (`bash .ci/run &`) hands its children SIGINT
-    # ignored, and Python then keeps it ignored.
+    # A session of its own, as a terminal's job would be: the signals we send reach the demo only;
+    # SIGINT as a terminal's job has it.
     return subprocess.Popen(
         [sys.executable, "-m", "x1_pretrain.demo", "--workspace", str(workspace), *args],
         stdout=open(out, "wb"), stderr=subprocess.STDOUT, env=env or cli_env(), cwd=REPO, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_as_in_a_terminal,
     )
 
 
