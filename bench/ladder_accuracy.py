@@ -8,11 +8,12 @@
 The targets are the lab's model family (configs/x1-50m-a100.yaml: RMSNorm, SwiGLU, RoPE, tied
 embedding, 3 query heads per key/value head, width 96 per layer) at the width that fits a device
 call: d_model 384, 4 layers, 25.6M parameters (6.3M without the embedding), 12,288 tokens a step,
-lr 1e-3 (AdamW beta2 0.99, as the ladder's rule gives small batches), 3,000 to 4,800 steps with
-warm-ups of 150 to 400: four held-out runs, each larger in N and D than every rung, trained by
-the trainer; and a fifth (T5, 2,000 steps) started with `--ladder` once the ladder is fitted: its
+lr 1e-3 (AdamW beta2 0.99, as the ladder's rule gives small batches), 4,000 to 9,000 steps with
+warm-ups of 150 to 450: four held-out runs, each larger in N and D than every rung, trained by
+the trainer; and a fifth (T5, 2,500 steps) started with `--ladder` once the ladder is fitted: its
 band and its forecast's prior come from the ladder live (the others' forecasts with the ladder are
-replayed from their curves). The ladder: widths 96, 144, 192 and 288 (1-3 layers), every size on
+replayed from their curves). The ladder: widths 144, 192, 288 and 336 (2-4 layers: no rung too
+shallow to copy from its context, as code rewards), every size on
 the same three token budgets (a full grid), planned with `--max-flops` so that its rungs, the
 learning-rate check included, add up to 4.5% of T1-T4's training compute (under the 5% it may
 cost; T5 only lowers the share). The corpus is every distinct .py file of the machine's Python
@@ -45,11 +46,11 @@ COMMON_SETS = [*MODEL_SETS, f"train.tokens_per_step={TOKENS_PER_STEP}", "train.m
 # name -> (steps, warm-up). T1c is T1 without cooldown probes: the probes' effect on the GPU run.
 # T5 starts once the ladder is fitted, with `--ladder`: the run that shows the declared band and the
 # forecast with the ladder's prior live; the ladder's compute is sized on T1-T4 alone.
-TARGETS = {"T1": (3000, 150), "T2": (3600, 200), "T3": (4200, 300), "T4": (4800, 400), "T5": (2000, 100)}
+TARGETS = {"T1": (4000, 150), "T2": (5500, 250), "T3": (7000, 350), "T4": (9000, 450), "T5": (2500, 100)}
 SIZED_ON = ("T1", "T2", "T3", "T4")
 CONTROLS = {"T1c": "T1"}
 LADDER_SHARE_OF_TARGETS = 0.045  # of the targets' training compute (the goal: at most 5%)
-LADDER_WIDTHS = "96,144,192,288"  # 4 sizes below 384: 1, 2, 2 and 3 layers
+LADDER_WIDTHS = "144,192,288,336"  # 4 sizes below 384: 2, 2, 3 and 4 layers (no 1-layer rung)
 
 
 def env() -> dict[str, str]:

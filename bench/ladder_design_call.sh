@@ -13,7 +13,7 @@ if [ "${LADDER:-1}" = 1 ]; then  # LADDER=0: the concurrency measurement alone (
     --widths "${WIDTHS:-48,96,192,288}" > $W/ladder.txt 2>&1
   echo "ladder done at ${SECONDS} s" >> "$OUT/env.txt"
 fi
-timeout $(( $(left) - 10 )) python3 bench/ladder_concurrency.py --data $D --work $W/concurrency --widths 96,288 \
+timeout $(( $(left) - 10 )) python3 bench/ladder_concurrency.py --data $D --work $W/concurrency --widths 144,336 \
   --jobs 1,8 --steps 400 > "$OUT/concurrency.md" 2>&1
 echo "concurrency done at ${SECONDS} s" >> "$OUT/env.txt"
 cp $D/meta.json "$OUT/corpus-meta.json"

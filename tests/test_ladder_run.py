@@ -82,6 +82,17 @@ def test_iso_flop_budgets_give_every_size_the_same_compute_and_the_smallest_the_
     assert most["model"]["d_model"] == 32
 
 
+def test_each_rung_warms_up_for_the_share_of_its_steps_that_the_main_run_will(tmp_path, tiny_data):
+    """The share is of the steps the main run will train (--total-steps, or what plan proposes), not
+    of the config's total_steps: a rung of a 1,000-step run with 10 warm-up steps warms up for 1%."""
+    proc = plan(tmp_path, tiny_data, "--tokens-per-param", "0.0065", "--total-steps", "400")
+    assert proc.returncode == 0, proc.stderr
+    rungs = json.loads((tmp_path / "ladder" / "plan.json").read_text())["rungs"]
+    for r in rungs:  # tiny-cpu.yaml: 10 warm-up steps of its 200; the main run here trains 400
+        assert r["recipe"]["warmup_steps"] == round(r["recipe"]["total_steps"] * 10 / 400), r["name"]
+    assert any(r["recipe"]["warmup_steps"] != round(r["recipe"]["total_steps"] * 10 / 200) for r in rungs)
+
+
 @pytest.mark.parametrize("flags, named", [(["--widths", "32,256"], "--widths 256"), (["--widths", "32,40"], "--widths"),
                                           (["--budgets-by", "tokens", "--tokens-per-param", "0.01"], "--tokens-per-param"),
                                           (["--budget-step", "1"], "--budget-step 1")])

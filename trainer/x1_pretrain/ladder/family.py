@@ -12,7 +12,8 @@ somebody else's tuned values), with the exponents of Porian et al. 2024 as OLMo-
 
     peak lr          lr_target * (N / N_target) ^ (-1/3)
     tokens per step  tpp_target * (N / N_target) ^ (2/3), down to a whole number of windows, >= 8 windows
-    warm-up          the target's share of its run (warmup / total steps), of the rung's own steps
+    warm-up          the target's share of its run (its warm-up steps / the steps the main run will
+                     train, not the config's total_steps), of the rung's own steps
     AdamW beta2      0.99 where a step holds <= 128 windows of 1024 tokens (Porian: small batches need the
                      longer average), else the target's
     cosine floor     the target's floor as a share of its peak
@@ -99,8 +100,10 @@ class Recipe:
                 f"train.micro_batch_size={self.micro_batch_size}"]
 
 
-def recipe(target: RunConfig, model: ModelConfig, tokens: float, lr_scale: float = 1.0) -> Recipe:
-    """The rule above, for a rung of `model` trained on `tokens`."""
+def recipe(target: RunConfig, model: ModelConfig, tokens: float, lr_scale: float = 1.0,
+           main_total_steps: int | None = None) -> Recipe:
+    """The rule above, for a rung of `model` trained on `tokens`, the main run `main_total_steps` long
+    (default: the config's total_steps)."""
     n_t, n = param_counts(target.model)["total"], param_counts(model)["total"]
     ratio = n / n_t
     seq = model.seq_len
@@ -111,7 +114,7 @@ def recipe(target: RunConfig, model: ModelConfig, tokens: float, lr_scale: float
         micro -= 1
     tps = windows * seq
     total = max(1, int(round(tokens / tps)))
-    share = target.optim.warmup_steps / target.train.total_steps
+    share = min(1.0, target.optim.warmup_steps / (main_total_steps or target.train.total_steps))
     lr = target.optim.lr * ratio ** LR_EXPONENT * lr_scale
     beta2 = SMALL_BATCH_BETA2 if tps <= SMALL_BATCH_TOKENS else target.optim.beta2
     return Recipe(lr=lr, min_lr=lr * target.optim.min_lr / target.optim.lr, tokens_per_step=tps,

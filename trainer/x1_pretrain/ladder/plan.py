@@ -203,7 +203,7 @@ def make_ladder_plan(cfg: RunConfig, *, gpu: str, provider: str, price_usd_per_h
 
     def add(m: ModelConfig, tokens: float, role: str, lr_scale: float = 1.0) -> None:
         f = size_facts(m)
-        rec = recipe(cfg, m, tokens, lr_scale)
+        rec = recipe(cfg, m, tokens, lr_scale, main_total_steps=steps)
         tokens = rec.total_steps * rec.tokens_per_step
         tag = f"d{m.d_model}-L{m.n_layer}-{fmt_count(tokens)}" + (f"-lr{lr_scale:g}x" if role == "lr-sweep" else "")
         rungs.append(RungSpec(
