@@ -133,8 +133,10 @@ def widths_list(text: str) -> list[int]:
 
 
 # Aggregate tokens/s of several rungs at once over one alone: small models leave most of a big GPU
-# idle, so several at once cost little more time than one. An estimate where docs/SCALING.md has no
-# measurement for the GPU (bench/ladder_concurrency.py measures it); rungs.json records what ran.
+# idle, so several at once cost little more time than one. On an H100, 8 rungs at once gave 2.98x
+# (d144) and 1.69x (d336) at 8-10 windows a step (docs/SCALING.md, bench/ladder_concurrency.py);
+# 2.0 lies between, an estimate for other sizes and batches; the A100's is not measured. rungs.json
+# records what ran.
 CONCURRENCY_GAIN = {"h200": 2.0, "h100-sxm": 2.0, "h100-pcie": 2.0, "a100-80gb": 1.6, "a100-40gb": 1.6}
 
 
