@@ -146,12 +146,12 @@ def cmd_targets(args: argparse.Namespace) -> int:
     return worst
 
 
-def final_val(ckpt: Path, steps: int) -> tuple[float | None, dict]:
+def final_val(ckpt: Path, steps: int) -> float | None:
     """The val loss at the run's last step; None for a run stopped short of it (the call's deadline)."""
     latest = (ckpt / "latest").read_text().strip()
     state = json.loads((ckpt / latest / "trainer_state.json").read_text())
     val = ((state.get("forecast") or {}).get("curve") or {}).get("val") or []
-    return (val[-1][1] if val and val[-1][0] == steps else None), state
+    return val[-1][1] if val and val[-1][0] == steps else None
 
 
 def cmd_table(args: argparse.Namespace) -> int:
@@ -175,7 +175,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         fpt = flops_per_token(cfg.model)
         tokens = steps * TOKENS_PER_STEP
         p = predict(ladder, counts["total"], tokens, counts["non_embedding"], fpt)
-        actual, _ = final_val(ckpt, steps)
+        actual = final_val(ckpt, steps)
         if actual is None:
             print(f"{name}: stopped before its step {steps}: left out")
             continue

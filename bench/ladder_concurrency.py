@@ -34,7 +34,7 @@ def rung_sets(width: int, tokens: int) -> list[str]:
     target = load_config(str(REPO / CONFIG), target_sets(TARGETS["T4"][1]))
     model = scaled_model(target.model, width)
     shape = [f"model.{k}={getattr(model, k)}" for k in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")]
-    return [*target_sets(TARGETS["T4"][1]), *shape, *recipe(target, model, tokens).sets()]
+    return [*target_sets(TARGETS["T4"][1]), *shape, *recipe(target, model, tokens, main_total_steps=TARGETS["T4"][0]).sets()]
 
 
 def median_tokens_per_sec(run_dir: Path, steps: int) -> float | None:

@@ -8,7 +8,7 @@
 source bench/device_env.sh
 B="python3 bench/ladder_accuracy.py"; W=/tmp/w2; D=/tmp/d
 corpus_and_reference "$D" "$W"
-if [ "${LADDER:-1}" = 1 ]; then  # LADDER=0: the concurrency measurement alone (CORPUS_MB=50 is then enough)
+if [ "${LADDER:-1}" = 1 ]; then  # LADDER=0: the concurrency measurement alone (CORPUS_MB=40 is then enough)
   timeout $(( $(left) - 250 )) $B ladder --data $D --work $W --jobs 8 --budgets-by "${BUDGETS_BY:-flops}" \
     --widths "${WIDTHS:-48,96,192,288}" > $W/ladder.txt 2>&1
   echo "ladder done at ${SECONDS} s" >> "$OUT/env.txt"

@@ -84,7 +84,7 @@ def test_iso_flop_budgets_give_every_size_the_same_compute_and_the_smallest_the_
 
 def test_each_rung_warms_up_for_the_share_of_its_steps_that_the_main_run_will(tmp_path, tiny_data):
     """The share is of the steps the main run will train (--total-steps, or what plan proposes), not
-    of the config's total_steps: a rung of a 1,000-step run with 10 warm-up steps warms up for 1%."""
+    of the config's total_steps: a rung of a 400-step run with 10 warm-up steps warms up for 2.5%."""
     proc = plan(tmp_path, tiny_data, "--tokens-per-param", "0.0065", "--total-steps", "400")
     assert proc.returncode == 0, proc.stderr
     rungs = json.loads((tmp_path / "ladder" / "plan.json").read_text())["rungs"]

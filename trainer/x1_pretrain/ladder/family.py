@@ -100,10 +100,10 @@ class Recipe:
                 f"train.micro_batch_size={self.micro_batch_size}"]
 
 
-def recipe(target: RunConfig, model: ModelConfig, tokens: float, lr_scale: float = 1.0,
-           main_total_steps: int | None = None) -> Recipe:
+def recipe(target: RunConfig, model: ModelConfig, tokens: float, lr_scale: float = 1.0, *,
+           main_total_steps: int) -> Recipe:
     """The rule above, for a rung of `model` trained on `tokens`, the main run `main_total_steps` long
-    (default: the config's total_steps)."""
+    (asked for, not read from the config: its total_steps is the lab's figure, not what the run buys)."""
     n_t, n = param_counts(target.model)["total"], param_counts(model)["total"]
     ratio = n / n_t
     seq = model.seq_len
@@ -114,7 +114,7 @@ def recipe(target: RunConfig, model: ModelConfig, tokens: float, lr_scale: float
         micro -= 1
     tps = windows * seq
     total = max(1, int(round(tokens / tps)))
-    share = min(1.0, target.optim.warmup_steps / (main_total_steps or target.train.total_steps))
+    share = min(1.0, target.optim.warmup_steps / main_total_steps)
     lr = target.optim.lr * ratio ** LR_EXPONENT * lr_scale
     beta2 = SMALL_BATCH_BETA2 if tps <= SMALL_BATCH_TOKENS else target.optim.beta2
     return Recipe(lr=lr, min_lr=lr * target.optim.min_lr / target.optim.lr, tokens_per_step=tps,
