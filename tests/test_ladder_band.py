@@ -82,5 +82,6 @@ def test_a_resume_keeps_the_band_declared_at_the_start_whatever_its_flags_say(tm
     out = proc.stdout + proc.stderr
     assert "--band 5 6 is not used for the band: this run declared [4.00, 9.00]" in out
     assert "band [4.00, 9.00] (given on the command line) kept from the run's start" in out
+    assert "this band is 5.00 nats wide, more than twice the lab's 0.30: it passes almost any run" in out
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert (manifest["declared_band"]["low"], manifest["declared_band"]["high"]) == (4.0, 9.0)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from conftest import run_module
-from x1_common.scaling import LadderFileError, Law, declare_band, load_ladder, predict, provenance_differences
+from x1_common.scaling import DeclaredBand, LadderFileError, Law, declare_band, load_ladder, predict, provenance_differences
 from x1_pretrain.ladder.fit import RungsError, leave_largest_out, make_ladder, read_points
 
 TRUE = Law(E=1.9, A=420.0, B=1100.0, alpha=0.36, beta=0.31)
@@ -113,6 +114,28 @@ def test_one_band_per_run_the_ladders_first_then_the_flag_then_the_labs():
     assert (declare_band(p, None).low, declare_band(p, None).high) == (p.low, p.high)
     assert declare_band(None, (4.0, 5.0)).as_dict() == {"low": 4.0, "high": 5.0, "source": "flag"}
     assert declare_band(None, None).as_dict() == {"low": 3.2, "high": 3.5, "source": "lab"}
+
+
+def test_a_band_too_wide_to_fail_a_run_is_said_so_in_dod_and_plan():
+    # The GPU's ladder of 2026-12-06 18:42 (rungs of 84-418 steps) declared [0.53, 4.10]; its run's
+    # check 2 passed. A band that wide is honest about the ladder and says nothing about the run.
+    from x1_pretrain.config import load_config
+    from x1_pretrain.run.dod import check_val_loss
+    from x1_pretrain.run.plan import make_plan, render
+
+    wide, narrow = DeclaredBand(0.53, 4.10, "ladder", 2.388), DeclaredBand(3.05, 3.45, "ladder", 3.25)
+    assert "3.57 nats wide" in wide.width_warning() and "rungs were too short" in wide.width_warning()
+    assert narrow.width_warning() is None and declare_band(None, None).width_warning() is None
+    assert "as given on the command line" in declare_band(None, (1.0, 9.0)).width_warning()
+    manifest = {"final_val_loss": 1.5434, "final_val_loss_step": 2500}
+    assert check_val_loss(manifest, wide).ok and "passes almost any run" in check_val_loss(manifest, wide).reason
+    assert "passes almost any run" not in check_val_loss({**manifest, "final_val_loss": 3.2}, narrow).reason
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "x1-50m-a100.yaml")
+    plan = make_plan(cfg, gpu="a100-80gb", provider="lambda", price_usd_per_hr=1.10, hours=24, budget_usd=35)
+    assert "passes almost any run" not in render(plan, cfg)
+    band_row = next(x for x in render(replace(plan, dod_band=(0.53, 4.10), band_source="ladder"), cfg).splitlines()
+                    if "DoD band" in x)
+    assert "[0.53, 4.10]" in band_row and "3.57 nats wide" in band_row
 
 
 # ---- the command line: fit, predict, report, and bad input ---------------------------------------

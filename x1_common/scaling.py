@@ -46,6 +46,10 @@ N_CONVENTIONS = (N_TOTAL, N_NONEMBEDDING)
 # below it: a measured ladder says where.
 LAB_BAND = (3.20, 3.50)
 BAND_SOURCES = ("ladder", "flag", "lab")
+# A band wider than twice the lab's (0.60 nats) can hardly fail a run: a ladder whose rungs were too
+# short to show the law declares one honestly (its tolerance grows with the distance to the target),
+# and the run is then told so where the band is shown (the band line, plan, dod's check 2).
+WIDE_BAND_NATS = 2 * (LAB_BAND[1] - LAB_BAND[0])
 
 # The bootstrap range kept in the interval: 5% to 95%, a nominal 90% interval before the tolerance.
 INTERVAL_QUANTILES = (0.05, 0.95)
@@ -123,6 +127,16 @@ class DeclaredBand:
         what = {"ladder": f"the ladder's prediction {self.prediction:.3f} ± its tolerance" if self.prediction is not None
                 else "the ladder's", "flag": "given on the command line", "lab": "the lab's"}[self.source]
         return f"[{self.low:.2f}, {self.high:.2f}] ({what})"
+
+    def width_warning(self) -> str | None:
+        """What to tell the run when its band is too wide to judge it; None for the lab's or a narrower one."""
+        width = self.high - self.low
+        if self.source == "lab" or width <= WIDE_BAND_NATS:
+            return None
+        why = ("the ladder's rungs were too short or too few to measure the law this far out (its ladder.md says "
+               "how far its held-out check reached)" if self.source == "ladder" else "as given on the command line")
+        return (f"this band is {width:.2f} nats wide, more than twice the lab's {LAB_BAND[1] - LAB_BAND[0]:.2f}: "
+                f"it passes almost any run; {why}")
 
 
 def declare_band(ladder_prediction: Prediction | None, flag_band: tuple[float, float] | None) -> DeclaredBand:

@@ -139,6 +139,8 @@ def check_val_loss(manifest: dict[str, Any] | None, band: DeclaredBand, note: st
     beside = f"{lab}; {summary_text(manifest.get('forecast'))}" + (
         f"; Chinchilla fit {chinchilla:.3f} (other corpus and tokenizer: a guide)" if isinstance(chinchilla, (int, float)) else "")
     verdict = "is within" if lo <= val <= hi else "is outside"
+    if (wide := band.width_warning()) is not None:
+        note = f"{note}; {wide}"
     return Check(2, name, lo <= val <= hi, f"final val loss {val:.4f}{where} {verdict} {band.describe()}{beside}{note}")
 
 

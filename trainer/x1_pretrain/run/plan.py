@@ -25,6 +25,7 @@ from pathlib import Path
 from x1_common.contracts import ExitCode
 from x1_common.scaling import (
     LAB_BAND,
+    DeclaredBand,
     LadderFileError,
     Prediction,
     declare_band,
@@ -337,6 +338,7 @@ def render(plan: Plan, cfg: RunConfig) -> str:
     train_hours = plan.proposed_hours - plan.setup_hours - plan.ladder_hours
     passes = (f"~{plan.data_passes:.1f} passes over the data" if plan.data_passes > 1.05 else
               "one pass over the data or less")
+    wide = DeclaredBand(*plan.dod_band, plan.band_source).width_warning()  # a band that can hardly fail
     rows = [
         ("parameters", f"{fmt_count(plan.params_non_embedding)} non-embedding, {fmt_count(plan.params_total)} total"),
         ("FLOPs/token", f"{plan.flops_per_token / 1e6:.0f}M (PaLM: 6 N_matmul + 12 L d T)"),
@@ -360,7 +362,8 @@ def render(plan: Plan, cfg: RunConfig) -> str:
                                "(Chinchilla fit, another corpus: a guide)"),
         ("DoD band", f"[{plan.dod_band[0]:.2f}, {plan.dod_band[1]:.2f}] final val loss (check 2), "
                      + ("the ladder's: the run declares it before its first step" if plan.band_source == "ladder"
-                        else "the lab's (no ladder): the number to believe")),
+                        else "the lab's (no ladder): the number to believe")
+                     + (f"; {wide}" if wide else "")),
         *([("ladder first", f"~{plan.ladder_hours:.2f} h = {usd(plan.ladder_usd)} before the main run (LADDER_SHARE "
                             "of its training hours), in the sentence's hours")] if plan.ladder_hours else []),
         ("Chinchilla-optimal", f"{fmt_count(plan.chinchilla_optimal_tokens)} tokens for {fmt_count(plan.params_total)} params (fit)"),

@@ -79,6 +79,8 @@ def declared(recorded: dict[str, Any], ladder_path: str | None, flag_band: tuple
 def log_declared(band: DeclaredBand, record: dict[str, Any], kept: bool) -> None:
     how = "kept from the run's start" if kept else "declared before the first step"
     log.info("band %s %s: the definition of done judges the final val loss against it", band.describe(), how)
+    if (wide := band.width_warning()) is not None:
+        log.warning("band: %s", wide)
 
 
 def tag(record: dict[str, Any]) -> dict[str, str]:
