@@ -275,6 +275,26 @@ def another_corpus(tiny_data: Path, where: Path) -> Path:
     return where
 
 
+def test_the_same_source_files_fetched_again_are_the_same_corpus_and_other_bytes_are_not(tmp_path: Path) -> None:
+    # A new instance that fetches and tokenizes the same files again writes new modification times
+    # into meta.json: the corpus is the one the checkpoints trained on, and the ladder's.
+    from x1_pretrain.train.provenance import ProvenanceError, check_corpus, corpus_identity
+
+    source = {"path": "part-0.parquet", "bytes": 1000, "sha256": "ab" * 32, "tokens": 500, "mtime_ns": 1}
+    meta = {"train_tokens": 500, "val_tokens": 10, "created_utc": "2026-12-06T18:42:00Z", "sources": [source]}
+    here = corpus_identity(tmp_path, meta)
+    again = corpus_identity(tmp_path, {**meta, "created_utc": "2026-12-06T19:06:00Z",
+                                       "sources": [{**source, "mtime_ns": 2}]})
+    other = corpus_identity(tmp_path, {**meta, "sources": [{**source, "sha256": "cd" * 32}]})
+    assert again["fingerprint"] == here["fingerprint"] != other["fingerprint"]
+    assert check_corpus(tmp_path, here, again, 30, allow=False) is None
+    # A checkpoint written before the times were left out recorded the fingerprint with them.
+    earlier = {**here, "fingerprint": here["fingerprint_with_file_times"]}
+    assert check_corpus(tmp_path, earlier, here, 30, allow=False) is None
+    with pytest.raises(ProvenanceError, match="holds another"):
+        check_corpus(tmp_path, here, other, 30, allow=False)
+
+
 def test_resume_on_another_corpus_is_refused_naming_both(run_copy: Path, tiny_data: Path, tmp_path: Path) -> None:
     newest = rewind(run_copy)
     other = another_corpus(tiny_data, tmp_path / "other-corpus")

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, TINY_CONFIG, cli_env, run_module, start_trainer, train_args, wait_for
 from x1_common.scaling import Law
 from x1_pretrain.config import load_config
@@ -64,6 +66,25 @@ def test_a_ladder_made_for_another_run_is_refused_with_exit_2_naming_the_differe
     assert "made for another run" in err and "context length: the ladder's is '1024', the run's '64'" in err
     assert "corpus" in err
     assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+def test_a_ladder_that_recorded_its_corpus_with_the_files_times_still_declares_this_runs_band(tmp_path, tiny_data):
+    # Ladders made before the corpus fingerprint left out the source files' modification times
+    # recorded it with them: the same corpus, still accepted; another fingerprint is still refused.
+    from x1_pretrain.train.band import BandError, ladder_prediction
+    from x1_pretrain.train.provenance import corpus_identity
+
+    meta = json.loads((tiny_data / "meta.json").read_text())
+    cfg = load_config(TINY_CONFIG, [f"data.dir={tiny_data}"])
+    identity = corpus_identity(tiny_data, meta)
+    assert identity["fingerprint_with_file_times"] != identity["fingerprint"]
+    path = tmp_path / "ladder.json"
+    path.write_text(json.dumps(a_ladder_for(tiny_data, corpus=identity["fingerprint_with_file_times"])))
+    ladder, prediction = ladder_prediction(str(path), cfg, meta)
+    assert prediction.low < prediction.val_loss < prediction.high
+    path.write_text(json.dumps(a_ladder_for(tiny_data, corpus="0123456789abcdef")))
+    with pytest.raises(BandError, match="made for another run: corpus"):
+        ladder_prediction(str(path), cfg, meta)
 
 
 def test_a_resume_keeps_the_band_declared_at_the_start_whatever_its_flags_say(tmp_path, tiny_data):

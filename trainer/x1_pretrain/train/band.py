@@ -17,7 +17,7 @@ from typing import Any
 from x1_common.scaling import DeclaredBand, LadderFileError, declare_band, load_ladder, predict, provenance_differences
 from x1_pretrain.config import RunConfig
 from x1_pretrain.train.accounting import flops_per_token, param_counts
-from x1_pretrain.train.provenance import corpus_identity
+from x1_pretrain.train.provenance import corpus_identity, same_corpus
 
 log = logging.getLogger("x1.train")
 MLFLOW_TAG = "x1.declared_band"
@@ -27,10 +27,13 @@ class BandError(ValueError):
     """A ladder that cannot declare this run's band (exit 2); the message names the difference."""
 
 
-def run_provenance(cfg: RunConfig, meta: dict[str, Any]) -> dict[str, Any]:
-    """What a ladder must share with this run (x1_common.scaling.PROVENANCE_KEYS)."""
-    return {"corpus": corpus_identity(cfg.data.dir, meta)["fingerprint"], "tokenizer": meta.get("tokenizer"),
-            "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len, "model_family": cfg.model.family}
+def run_provenance(cfg: RunConfig, meta: dict[str, Any], ladder_corpus: Any = None) -> dict[str, Any]:
+    """What a ladder must share with this run (x1_common.scaling.PROVENANCE_KEYS); a ladder's corpus
+    fingerprint of the earlier form (with the files' times) names this corpus too."""
+    corpus = corpus_identity(cfg.data.dir, meta)
+    return {"corpus": ladder_corpus if same_corpus(ladder_corpus, corpus) else corpus["fingerprint"],
+            "tokenizer": meta.get("tokenizer"), "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len,
+            "model_family": cfg.model.family}
 
 
 def ladder_prediction(path: str, cfg: RunConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -40,7 +43,7 @@ def ladder_prediction(path: str, cfg: RunConfig, meta: dict[str, Any]) -> tuple[
     except LadderFileError as e:
         raise BandError(f"--ladder: {e}") from None
     theirs = ladder.get("provenance") or {}
-    diffs = provenance_differences(theirs, run_provenance(cfg, meta))
+    diffs = provenance_differences(theirs, run_provenance(cfg, meta, theirs.get("corpus")))
     if diffs:
         raise BandError(f"--ladder {path}: made for another run: " + "; ".join(diffs) +
                         ". Make a ladder on this run's data and config (python -m x1_pretrain.ladder run)")

@@ -6,8 +6,8 @@ the corpus and the tracking server, accepted with an explicit flag and then reco
   every checkpoint carries the same id in trainer_state.json. A step folder whose id (or, for a
   folder written before ids existed, whose start time) is another run's was copied in: refused.
 - The corpus: every checkpoint records the corpus it trained on by a fingerprint of meta.json
-  (without its creation time and input path, so a moved corpus is the same corpus). Another
-  fingerprint is refused unless --allow-data-change.
+  (without its creation time, input path and source files' modification times, so a moved or
+  re-fetched corpus is the same corpus). Another fingerprint is refused unless --allow-data-change.
 - The tracking server: a run's MLflow run lives on one server. Resuming against another would
   spool every metric for a run that is not there; refused unless --allow-tracking-change, which
   opens a new MLflow run there, tagged with the old one.
@@ -42,12 +42,27 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
+def _fingerprint(content: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def corpus_identity(data_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint records of the corpus it trained on."""
+    """What a checkpoint records of the corpus it trained on. The fingerprint leaves out the source
+    files' modification times: the same files fetched again on a new instance are the same corpus
+    (their sha256 says so). `fingerprint_with_file_times` is the form checkpoints and ladders made
+    before recorded, still accepted for them."""
     content = {k: v for k, v in meta.items() if k not in _NOT_CONTENT}
-    fingerprint = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
-    return {"dir": str(Path(data_dir).resolve()), "fingerprint": fingerprint,
+    sources = content.get("sources")
+    timeless = {**content, "sources": [{k: v for k, v in src.items() if k != "mtime_ns"} if isinstance(src, dict) else src
+                                       for src in sources]} if isinstance(sources, list) else content
+    return {"dir": str(Path(data_dir).resolve()), "fingerprint": _fingerprint(timeless),
+            "fingerprint_with_file_times": _fingerprint(content),
             "train_tokens": meta.get("train_tokens"), "val_tokens": meta.get("val_tokens")}
+
+
+def same_corpus(recorded_fingerprint: Any, corpus: dict[str, Any]) -> bool:
+    """Whether a recorded fingerprint (of either form) is this corpus's."""
+    return recorded_fingerprint in (corpus["fingerprint"], corpus.get("fingerprint_with_file_times"))
 
 
 def server(uri: str) -> str:
@@ -99,7 +114,7 @@ def check_corpus(folder: Path, recorded: dict[str, Any], corpus: dict[str, Any],
                  allow: bool) -> dict[str, Any] | None:
     """None when the corpus is the one `folder` trained on (or it recorded none); the change to
     record when `allow`; else ProvenanceError naming both."""
-    if not recorded or recorded.get("fingerprint") == corpus["fingerprint"]:
+    if not recorded or same_corpus(recorded.get("fingerprint"), corpus):
         return None
     what = (f"{folder}: trained on the corpus in {recorded.get('dir')} ({_tokens(recorded)}, fingerprint "
             f"{recorded.get('fingerprint')}); --data-dir {corpus['dir']} holds another ({_tokens(corpus)}, "
