@@ -91,14 +91,14 @@ def test_a_resume_keeps_the_band_declared_at_the_start_whatever_its_flags_say(tm
     ckpt = tmp_path / "ckpt"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     log = tmp_path / "first.log"
-    first = start_trainer(train_args(tiny_data, ckpt, uri, "--band", "4", "9", total=60), log)
+    first = start_trainer(train_args(tiny_data, ckpt, uri, "--band", "4", "9", total=40), log)
     try:
         wait_for(lambda: (ckpt / "latest").exists(), timeout=300, what="a first checkpoint")
     finally:
         os.killpg(first.pid, signal.SIGTERM)
         assert first.wait(timeout=120) == 75
     proc = run_module("x1_pretrain.train", *train_args(tiny_data, ckpt, uri, "--band", "5", "6", "--resume-from-latest",
-                                                       "--run-dir", str(tmp_path / "run"), total=60))
+                                                       "--run-dir", str(tmp_path / "run"), total=40))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "--band 5 6 is not used for the band: this run declared [4.00, 9.00]" in out
