@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from conftest import run_module
-from x1_common.scaling import DeclaredBand, LadderFileError, Law, declare_band, load_ladder, predict, provenance_differences
+from x1_common.scaling import (
+    DeclaredBand,
+    LadderFileError,
+    Law,
+    declare_band,
+    load_ladder,
+    predict,
+    provenance_differences,
+)
 from x1_pretrain.ladder.fit import RungsError, leave_largest_out, make_ladder, read_points
 
 TRUE = Law(E=1.9, A=420.0, B=1100.0, alpha=0.36, beta=0.31)
