@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import CONFIGS, run_module
+from conftest import CONFIGS, REPO, run_module
 from x1_pretrain.train.accounting import chinchilla_loss, fmt_count
 
 LAB_RUN = ["--config", str(CONFIGS / "x1-50m-a100.yaml"), "--gpu", "a100-80gb", "--provider", "lambda",
@@ -28,6 +28,19 @@ def test_plan_states_when_the_forecast_first_judges_the_run():
     proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("final-loss forecast:"))
     assert "first at step 3,600" in line and "--forecast-band (default 3.20-3.50)" in line and "exit 80" in line
+
+
+def test_plan_states_the_forecasts_measured_accuracy_as_its_benchmark_files_hold_it():
+    # Each figure is the "no probes, no ladder" row of a held-out GPU table in docs/forecast-runs/.
+    from x1_pretrain.train.forecast_rule import MEASURED_ACCURACY
+
+    proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("forecast accuracy, measured"))
+    assert "the aim is 0.05 at 25% and 0.03 at 50%" in line
+    for what, path, errors in MEASURED_ACCURACY:
+        row = next(x for x in (REPO / path).read_text().splitlines() if x.startswith("| no | no |"))
+        assert tuple(float(cell.split()[0]) for cell in row.strip("|").split("|")[2:5]) == errors, path
+        assert "/".join(f"{e:.2f}" for e in errors) + f" on {what}" in line
 
 
 def test_plan_refuses_with_78_above_the_max_price():

@@ -50,7 +50,7 @@ from x1_pretrain.train.accounting import (
     usd,
 )
 from x1_pretrain.train.budget_guard import launch_projection
-from x1_pretrain.train.forecast_rule import rule_text
+from x1_pretrain.train.forecast_rule import accuracy_text, rule_text
 from x1_pretrain.train.schedule import probe_plan
 
 PROVIDER_DISPLAY = {"lambda": "Lambda", "runpod": "RunPod", "static": "on-prem"}
@@ -398,6 +398,7 @@ def render(plan: Plan, cfg: RunConfig) -> str:
                  + (f", {usd(plan.total_usd)} with the other lines" if plan.extras_usd else "") + ")")
 
     lines.append(rule_text(plan.proposed_total_steps, cfg.optim.warmup_steps, cfg.train.eval_every, cfg.train.log_every))
+    lines.append(accuracy_text())
     if plan.probes:
         lines.append(f"Cooldown probes (train.cooldown_probes): {plan.probes}.")
     if plan.tokens_per_sec_source.startswith("given"):
