@@ -42,7 +42,7 @@ def rule_text(total_steps: int, warmup_steps: int, eval_every: int, log_every: i
 # What the forecast achieved on GPU runs it was not calibrated on (each run's priors from the others,
 # no probes, no ladder): mean |error| in nats at 10%, 25% and 50% of the run. Each row is the "no | no"
 # row of its file, which `python -m x1_pretrain.forecast evaluate ... --compare` wrote (docs/FORECAST.md);
-# tests/test_plan_light.py holds the two to each other.
+# tests/test_plan.py holds the two to each other.
 MEASURED_ACCURACY = (
     ("3 runs of the 50M config (2,000-2,600 steps)", "docs/forecast-runs/gpu-50m-compare.txt", (0.127, 0.050, 0.060)),
     ("5 runs at d384 (2,000-4,800 steps)", "docs/forecast-runs/gpu-d384-compare.txt", (0.363, 0.126, 0.149)),

@@ -62,7 +62,8 @@ def corpus_identity(data_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any
 
 def same_corpus(recorded_fingerprint: Any, corpus: dict[str, Any]) -> bool:
     """Whether a recorded fingerprint (of either form) is this corpus's."""
-    return recorded_fingerprint in (corpus["fingerprint"], corpus.get("fingerprint_with_file_times"))
+    return recorded_fingerprint is not None and recorded_fingerprint in (corpus["fingerprint"],
+                                                                         corpus.get("fingerprint_with_file_times"))
 
 
 def server(uri: str) -> str:
