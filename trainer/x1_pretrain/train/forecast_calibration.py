@@ -39,7 +39,7 @@ from x1_pretrain.train.forecast import (
     read_json_object,
     use_probe_areas,
 )
-from x1_pretrain.train.forecast_rule import MIN_POINTS, TRAIN_BINS
+from x1_pretrain.train.forecast_rule import ACCURACY_GOAL, MIN_POINTS, TRAIN_BINS
 
 # ---------------------------------------------------------------------------------------------
 # The ladder as prior: its prediction for this run, and shape priors fitted on its complete rungs
@@ -280,9 +280,6 @@ def fit_complete(run: RunCurve, memory: float) -> tuple[float, float]:
     return float(res.x[3]), float(res.x[2])
 
 
-GOALS = {"10": 0.05, "25": 0.05, "50": 0.03}  # nats: the accuracy asked of the forecast at 25% and 50% (10%: the 25% goal, for scale)
-
-
 def fit_priors(runs: list[RunCurve], memories: tuple[float, ...] = (0.02, 0.1, 0.3), provenance: dict | None = None,
                use_probes: bool = True) -> Priors:
     """C and alpha from complete runs (their mean and spread), the memory the one whose Cs agree best,
@@ -396,9 +393,9 @@ def render_table(rows: list[dict[str, Any]]) -> str:
             power = [abs(r[f"power_{p}"]) for r in rows if r[f"power_{p}"] is not None and math.isfinite(r[f"power_{p}"])]
             multi = [abs(r[f"multi_power_{p}"]) for r in rows
                      if r.get(f"multi_power_{p}") is not None and math.isfinite(r[f"multi_power_{p}"])]
-            within = sum(abs(f["error"]) <= GOALS.get(p, np.inf) for f in made)
+            within = sum(abs(f["error"]) <= ACCURACY_GOAL.get(p, np.inf) for f in made)
             summary.append(f"at {p}%: {len(made)} forecasts, mean |error| {mae:.3f} nats, max {max(abs(f['error']) for f in made):.3f}, "
-                           f"{within}/{len(made)} within {GOALS.get(p, float('nan')):g}; the interval held the final value in "
+                           f"{within}/{len(made)} within {ACCURACY_GOAL.get(p, float('nan')):g}; the interval held the final value in "
                            f"{hits}/{len(made)}; plain power law mean |error| {np.mean(power) if power else float('nan'):.3f} "
                            f"({len(power)} fits); multi-power law (same protocol) {np.mean(multi) if multi else float('nan'):.3f} "
                            f"({len(multi)} fits)")
@@ -421,7 +418,7 @@ def compare(runs: list[RunCurve], ladder: dict[str, Any] | None) -> tuple[str, d
             made = [r[p] for r in rows if r[p] is not None]
             cells.append("no forecast" if not made else
                          f"{np.mean([abs(f['error']) for f in made]):.3f} ({len(made)} runs), "
-                         f"{sum(abs(f['error']) <= GOALS[p] for f in made)}/{len(made)} within {GOALS[p]:g}, "
+                         f"{sum(abs(f['error']) <= ACCURACY_GOAL[p] for f in made)}/{len(made)} within {ACCURACY_GOAL[p]:g}, "
                          f"{sum(f['hit'] for f in made)}/{len(made)}")
         lines.append(f"| {'yes' if probes else 'no'} | {'yes' if lad else 'no'} | " + " | ".join(cells) + " |")
     return "\n".join(lines), out

@@ -48,14 +48,16 @@ MEASURED_ACCURACY = (
     ("5 runs at d384 (2,000-4,800 steps)", "docs/forecast-runs/gpu-d384-compare.txt", (0.363, 0.126, 0.149)),
     ("5 runs at d384 (2,500-9,000 steps)", "docs/forecast-runs/gpu-d384-long-compare.txt", (0.330, 0.259, 0.190)),
 )
-ACCURACY_GOAL = {"25%": 0.05, "50%": 0.03}  # nats
+# The accuracy asked of the forecast, mean |error| in nats at 25% and 50% of the run (10% has no goal of
+# its own: the 25% one, for scale). `forecast evaluate` counts its forecasts within it.
+ACCURACY_GOAL = {"10": 0.05, "25": 0.05, "50": 0.03}
 
 
 def accuracy_text() -> str:
     """How far to trust the forecast, as measured: what `plan` prints under the rule."""
     rows = "; ".join(f"{'/'.join(f'{e:.2f}' for e in errors)} on {what}" for what, _, errors in MEASURED_ACCURACY)
     return (f"forecast accuracy, measured on held-out GPU runs (docs/FORECAST.md): mean |error| in nats at 10/25/50% "
-            f"of the run {rows}; the aim is {ACCURACY_GOAL['25%']:g} at 25% and {ACCURACY_GOAL['50%']:g} at 50%, not "
+            f"of the run {rows}; the aim is {ACCURACY_GOAL['25']:g} at 25% and {ACCURACY_GOAL['50']:g} at 50%, not "
             "yet met: judge by the forecast's interval, not its point")
 
 

@@ -52,9 +52,10 @@ def corpus_identity(data_dir: str | Path, meta: dict[str, Any]) -> dict[str, Any
     (their sha256 says so). `fingerprint_with_file_times` is the form checkpoints and ladders made
     before recorded, still accepted for them."""
     content = {k: v for k, v in meta.items() if k not in _NOT_CONTENT}
-    sources = content.get("sources")
-    timeless = {**content, "sources": [{k: v for k, v in src.items() if k != "mtime_ns"} if isinstance(src, dict) else src
-                                       for src in sources]} if isinstance(sources, list) else content
+    timeless = dict(content)
+    if isinstance(content.get("sources"), list):  # each source file's mtime_ns stays in meta.json: tokenize's resume reads it
+        timeless["sources"] = [{k: v for k, v in src.items() if k != "mtime_ns"} if isinstance(src, dict) else src
+                               for src in content["sources"]]
     return {"dir": str(Path(data_dir).resolve()), "fingerprint": _fingerprint(timeless),
             "fingerprint_with_file_times": _fingerprint(content),
             "train_tokens": meta.get("train_tokens"), "val_tokens": meta.get("val_tokens")}
