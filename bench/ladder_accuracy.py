@@ -2,7 +2,7 @@
 
     python3 bench/ladder_accuracy.py corpus  --data D                  # real text, tokenized
     python3 bench/ladder_accuracy.py ladder  --data D --work W         # plan (4.5% of the targets' compute), run, fit
-    python3 bench/ladder_accuracy.py targets --data D --work W --names T1,T2 [--probes 0.025,0.05,0.1]
+    python3 bench/ladder_accuracy.py targets --data D --work W --names T1,T2 [--probes 0.025,0.05,0.1]  # or U1-U6 (FRESH)
     python3 bench/ladder_accuracy.py table   --work W                  # predicted [interval] vs actual
 
 The targets are the lab's model family (configs/x1-50m-a100.yaml: RMSNorm, SwiGLU, RoPE, tied
@@ -47,6 +47,12 @@ COMMON_SETS = [*MODEL_SETS, f"train.tokens_per_step={TOKENS_PER_STEP}", "train.m
 # T5 starts once the ladder is fitted, with `--ladder`: the run that shows the declared band and the
 # forecast with the ladder's prior live; the ladder's compute is sized on T1-T4 alone.
 TARGETS = {"T1": (4000, 150), "T2": (5500, 250), "T3": (7000, 350), "T4": (9000, 450), "T5": (2500, 100)}
+# A second held-out set of the same family, for the forecast (docs/FORECAST.md): other lengths and
+# warm-ups, another seed (init and data order). None of it is among the runs a forecast method was
+# chosen on; T1-T5's complete curves serve as the family's earlier runs.
+FRESH = {"U1": (2000, 50), "U2": (3000, 200), "U3": (4500, 100), "U4": (6000, 300), "U5": (7500, 250),
+         "U6": (6500, 500)}
+FRESH_SEED = 7
 SIZED_ON = ("T1", "T2", "T3", "T4")
 CONTROLS = {"T1c": "T1"}
 LADDER_SHARE_OF_TARGETS = 0.045  # of the targets' training compute (the goal: at most 5%)
@@ -90,6 +96,13 @@ def target_sets(warmup: int, extra: list[str] | None = None) -> list[str]:
     return [*COMMON_SETS, f"optim.warmup_steps={warmup}", *(extra or [])]
 
 
+def recipe(name: str) -> tuple[int, int, list[str]]:
+    """(steps, warm-up, its own config overrides) of a target, a control or a run of the fresh set."""
+    if name in FRESH:
+        return (*FRESH[name], [f"train.seed={FRESH_SEED}"])
+    return (*TARGETS[CONTROLS.get(name, name)], [])
+
+
 def targets_compute() -> float:
     from x1_pretrain.config import load_config
     from x1_pretrain.train.accounting import flops_per_token
@@ -122,9 +135,11 @@ def cmd_targets(args: argparse.Namespace) -> int:
     work = Path(args.work)
     procs = []
     for name in args.names.split(","):
-        steps, warmup = TARGETS[CONTROLS.get(name, name)] if not args.steps else (args.steps, args.warmup)
+        steps, warmup, own = recipe(name)
+        if args.steps:
+            steps, warmup = args.steps, args.warmup
         d = work / "targets" / name
-        sets = target_sets(warmup, args.set)
+        sets = target_sets(warmup, [*own, *args.set])
         if args.probes and name not in CONTROLS:
             sets.append(f"train.cooldown_probes=[{args.probes}]")
         argv = [sys.executable, "-m", "x1_pretrain.train", "--config", CONFIG, *[x for s in sets for x in ("--set", s)],
@@ -216,7 +231,7 @@ def cmd_curves(args: argparse.Namespace) -> int:
     work = Path(args.work)
     runs = []
     for name in args.names.split(","):
-        steps, warmup = TARGETS[CONTROLS.get(name, name)]
+        steps, warmup, _ = recipe(name)
         rows = list(csv.DictReader(open(work / "targets" / name / "run" / "metrics.csv")))
         series: dict[str, dict[int, float]] = {}
         for r in rows:

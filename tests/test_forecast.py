@@ -30,7 +30,7 @@ from x1_pretrain.train.forecast import (
     forecast,
     probe_areas,
 )
-from x1_pretrain.train.forecast_calibration import fit_power, prior_from_ladder
+from x1_pretrain.train.forecast_calibration import RunCurve, fit_power, prior_from_ladder
 from x1_pretrain.train.forecast_rule import first_judged_step
 from x1_pretrain.train.schedule import probe_plan
 from x1_pretrain.train.tracking import NullSink
@@ -426,18 +426,23 @@ def curves_file(path: Path) -> Path:
     return path
 
 
-def test_the_evaluator_compares_the_forecast_with_and_without_probes_and_a_ladder(tmp_path):
+def test_the_evaluator_compares_the_forecast_with_and_without_probes_a_ladder_and_earlier_runs(tmp_path):
     curves = curves_file(tmp_path / "curves.json")
     ladder = tmp_path / "ladder.json"
     ladder.write_text(json.dumps({**known_ladder(2.9), "prediction": {"n_params": 5e7, "tokens": 8e5, "val_loss": 2.9,
                                                                       "low": 2.8, "high": 3.0}}))
     proc = run_module("x1_pretrain.forecast", "evaluate", str(curves), "--compare", "--ladder", str(ladder),
-                      "--json", str(tmp_path / "rows.json"), timeout=600)
+                      "--earlier-runs", str(curves), "--json", str(tmp_path / "rows.json"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| yes") or ln.startswith("| no")]
-    assert [r.split(" | ")[:2] for r in rows] == [["| no", "no"], ["| yes", "no"], ["| no", "yes"], ["| yes", "yes"]]
+    assert [r.split(" | ")[:2] for r in rows] == [["| no", "no"], ["| yes", "no"], ["| no", "yes"], ["| yes", "yes"],
+                                                  ["| no", "earlier runs"], ["| yes", "earlier runs"]]
     saved = json.loads((tmp_path / "rows.json").read_text())
     assert saved["probes=yes,ladder=no"][0]["probes"] == 3 and saved["probes=no,ladder=yes"][0]["ladder"] is True
+    assert saved["probes=no,ladder=earlier runs"][0]["prior"] == "earlier runs"
+    # On runs drawn from one law, the others' law predicts each run's end: every forecast within the goal.
+    assert all(abs(r[p]["error"]) < 0.05 for r in saved["probes=no,ladder=earlier runs"] for p in ("25", "50")
+               if r[p] is not None), saved["probes=no,ladder=earlier runs"]
     bad = tmp_path / "bad-ladder.json"
     bad.write_text(json.dumps({**known_ladder(2.9), "rungs": "none"}, allow_nan=True))
     proc = run_module("x1_pretrain.forecast", "evaluate", str(curves), "--ladder", str(bad))
@@ -461,3 +466,47 @@ def test_a_ladder_fitted_from_final_losses_alone_predicts_with_its_law_and_the_s
     shipped = Priors.load()
     assert (prior.priors.C, prior.priors.alpha, prior.priors.memory) == (shipped.C, shipped.alpha, shipped.memory)
     assert "the shipped shape priors" in prior.priors.provenance["ladder"]
+
+
+# ---- earlier complete runs of the family as prior ----------------------------------------------
+
+
+def test_earlier_runs_of_the_family_bring_a_run_of_another_length_within_the_goal_at_25_percent(tmp_path):
+    """Three complete runs of 600-1000 steps, drawn from one law: their one law predicts a run of 5,000
+    steps (another length and warm-up) at its last step, and the forecast with them as prior is within
+    the goal at 25% where one with priors from elsewhere is not."""
+    from x1_pretrain.train.forecast_calibration import forecast_at, load_curves, prior_from_runs
+
+    earlier = load_curves(curves_file(tmp_path / "earlier.json"))
+    train, val = drawn_losses(SCHEDULE, seed=5)
+    run = RunCurve("law-5000", SCHEDULE, train[1:], np.array(sorted(val), dtype=float),
+                   np.array([val[s] for s in sorted(val)]), n_params=5e7, tokens_per_step=1000)
+    truth = law(SCHEDULE)(SCHEDULE.total_steps)
+    prior = prior_from_runs([*earlier, run], run)  # the run itself, by name, is never its own earlier run
+    assert prior.priors.provenance["earlier runs"] == ["law-600", "law-800", "law-1000"]
+    assert abs(prior.mean - truth) < 0.05 and prior.sd < 0.05, (prior.mean, prior.sd, truth)
+    elsewhere = Priors(C=0.5, C_sd=0.1, memory=0.3, alpha=0.2, alpha_sd=0.05, interval_scale=1.5)
+    without = forecast_at(run, elsewhere, 0.25)
+    with_runs = forecast_at(run, prior.priors, 0.25, prior)
+    assert abs(without.value - truth) > 0.05, without.line()
+    assert abs(with_runs.value - truth) < 0.05 and with_runs.low <= truth <= with_runs.high, with_runs.line()
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda r: r.update(tokens_per_step=2000), "earlier run law-800 is not of run law-600's family: tokens_per_step"),
+    (lambda r: r.update(lr=1e-3), "peak lr 0.001 against this run's 0.0003"),
+])
+def test_earlier_runs_of_another_family_are_refused_with_exit_2_naming_the_difference(tmp_path, capsys, change, named):
+    from x1_pretrain.train.forecast_calibration import main
+
+    curves = curves_file(tmp_path / "curves.json")
+    data = json.loads(curves.read_text())
+    change(data["runs"][1])
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(data))
+    assert main(["evaluate", str(curves), "--earlier-runs", str(earlier), "--no-multi-power"]) == 2
+    assert named in capsys.readouterr().err
+    data["runs"] = data["runs"][:1]  # one earlier run: no spread to be had
+    earlier.write_text(json.dumps(data))
+    assert main(["evaluate", str(curves), "--earlier-runs", str(earlier), "--no-multi-power"]) == 2
+    assert "run law-600: 0 earlier complete run(s) of its family; 2 needed" in capsys.readouterr().err

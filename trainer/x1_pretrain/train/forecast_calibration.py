@@ -5,6 +5,7 @@ the trainer runs at every eval, is x1_pretrain.train.forecast.
 
     python -m x1_pretrain.forecast evaluate CURVES.json     # leave-one-out accuracy table
     python -m x1_pretrain.forecast evaluate CURVES.json --compare --ladder LADDER.json
+    python -m x1_pretrain.forecast evaluate CURVES.json --compare --earlier-runs EARLIER.json
     python -m x1_pretrain.forecast fit-priors CURVES.json --output forecast_priors.json
 """
 
@@ -332,24 +333,99 @@ def ladder_for(ladder: dict[str, Any], run: RunCurve) -> LadderPrior:
                              run.nonembedding_params, run.flops_per_token)
 
 
+# ---------------------------------------------------------------------------------------------
+# Earlier complete runs of the run's own family as prior: the prior a ladder would give if it were as
+# accurate as runs of the same model, data, tokens per step and peak lr. Their val points, each at its
+# own schedule's areas, share one law L0 + A S1^-alpha - C S2 (the law is a function of the schedule's
+# areas alone: that is what makes one fit serve runs of any length and warm-up); its value at this
+# run's last step is the prediction, and its spread the error of each earlier run predicted from the
+# others (leave-one-out).
+
+
+def _family_points(runs: list[RunCurve], memory: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    s1, s2, y = [], [], []
+    for run in runs:
+        S1, S2 = areas(run.schedule, memory)
+        keep = run.val_steps >= max(run.schedule.warmup_steps, 1)
+        steps = run.val_steps[keep].astype(int)
+        s1.append(S1[steps])
+        s2.append(S2[steps])
+        y.append(run.val[keep])
+    return np.concatenate(s1), np.concatenate(s2), np.concatenate(y)
+
+
+def fit_family_law(runs: list[RunCurve], memory: float) -> np.ndarray:
+    """(L0, A, alpha, C) of one law through every complete run's val points past its warm-up."""
+    from scipy.optimize import least_squares  # here: SciPy is 0.6 s of every trainer's start
+    s1, s2, y = _family_points(runs, memory)
+
+    def residuals(theta):
+        L0, A, alpha, C = theta
+        return L0 + A * s1 ** -alpha - C * s2 - y
+
+    res = least_squares(residuals, [max(y.min() - 1.0, 0.0), 5.0, 0.5, 0.5],
+                        bounds=([0.0, 0.0, 0.01, 0.0], [y.min(), np.inf, 3.0, np.inf]), x_scale="jac", max_nfev=5000)
+    return res.x
+
+
+def family_prediction(theta: np.ndarray, schedule: Schedule, memory: float) -> float:
+    """The family law's val loss at the last step of a run with this schedule."""
+    S1, S2 = areas(schedule, memory)
+    L0, A, alpha, C = theta
+    T = schedule.total_steps
+    return float(L0 + A * S1[T] ** -alpha - C * S2[T])
+
+
+def _same_family(ref: RunCurve, run: RunCurve) -> str:
+    """What differs between an earlier run and this one (empty: the same family)."""
+    for what, a, b in (("n_params", ref.n_params, run.n_params), ("tokens_per_step", ref.tokens_per_step, run.tokens_per_step),
+                       ("peak lr", ref.schedule.lr, run.schedule.lr)):
+        if a is None or b is None or not math.isclose(a, b, rel_tol=0.01):
+            return f"{what} {a} against this run's {b}"
+    return ""
+
+
+def prior_from_runs(refs: list[RunCurve], run: RunCurve, use_probes: bool = True) -> LadderPrior:
+    """The forecast's prior from earlier complete runs of the run's family (the run itself, by name,
+    never among them): the family law's prediction for this run's schedule, with the leave-one-out
+    spread as its sd, and the shape priors fit_priors makes from the same runs. ForecastError names a
+    run of another family, or too few."""
+    refs = [r for r in refs if r.name != run.name]
+    for r in refs:
+        if differs := _same_family(r, run):
+            raise ForecastError(f"earlier run {r.name} is not of run {run.name}'s family: {differs}")
+    if len(refs) < 2:
+        raise ForecastError(f"run {run.name}: {len(refs)} earlier complete run(s) of its family; 2 needed for a "
+                            "prior and its spread")
+    priors = fit_priors(refs, use_probes=use_probes, provenance={"earlier runs": [r.name for r in refs]})
+    misses = [family_prediction(fit_family_law(refs[:j] + refs[j + 1:], priors.memory), r.schedule, priors.memory)
+              - r.final for j, r in enumerate(refs)]
+    sd = max(float(np.sqrt(np.mean(np.square(misses)))), 0.01)
+    mean = family_prediction(fit_family_law(refs, priors.memory), run.schedule, priors.memory)
+    return LadderPrior(mean=mean, sd=sd, priors=priors, source=f"the law of {len(refs)} earlier complete runs of this family")
+
+
 def evaluate(runs: list[RunCurve], multi_power: bool = True, use_probes: bool = True,
-             ladder: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+             ladder: dict[str, Any] | None = None, earlier: list[RunCurve] | None = None) -> list[dict[str, Any]]:
     """Leave-one-out: for each run, priors (and the interval's calibration) from the others, then its
     forecasts at 10/25/50% against its final val loss; beside them the plain power law and the
     multi-power law fitted on the same points. With `use_probes`, each forecast also fits the run's
     cooldown probes forked before it; with `ladder` (a ladder.json), the ladder's prediction for the
-    run and its rungs' shape priors take the place of the other runs' (prior_from_ladder)."""
+    run and its rungs' shape priors take the place of the other runs' (prior_from_ladder); with
+    `earlier` (complete runs of the family), their law's (prior_from_runs)."""
     rows = []
     mpl = [fit_multi_power(r)[3:] for r in runs] if multi_power else []
     for i, run in enumerate(runs):
         rest = runs[:i] + runs[i + 1:]
-        prior = ladder_for(ladder, run) if ladder is not None else None
+        prior = (ladder_for(ladder, run) if ladder is not None else
+                 prior_from_runs(earlier, run, use_probes) if earlier is not None else None)
         priors = prior.priors if prior is not None else fit_priors(rest, use_probes=use_probes)
         decay = np.median([d for j, d in enumerate(mpl) if j != i], axis=0) if multi_power else None
         row: dict[str, Any] = {"run": run.name, "steps": run.schedule.total_steps,
                                "warmup": run.schedule.warmup_steps,
                                "floor": round(run.schedule.min_lr / run.schedule.lr, 3), "final": run.final,
-                               "probes": len(run.probes) if use_probes else 0, "ladder": prior is not None}
+                               "probes": len(run.probes) if use_probes else 0, "ladder": prior is not None,
+                               "prior": "ladder" if ladder is not None else "earlier runs" if earlier is not None else "none"}
         for frac in FRACTIONS:
             f = forecast_at(run, priors, frac, prior, use_probes)
             key = f"{int(frac * 100)}"
@@ -402,17 +478,21 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {s}" for s in summary)
 
 
-def compare(runs: list[RunCurve], ladder: dict[str, Any] | None) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+def compare(runs: list[RunCurve], ladder: dict[str, Any] | None,
+            earlier: list[RunCurve] | None = None) -> tuple[str, dict[str, list[dict[str, Any]]]]:
     """The leave-one-out accuracy with and without the runs' probes (where they have any) and with and
-    without the ladder (where one is given): each one's effect, on the same runs."""
-    combos = [(probes, lad) for lad in ([None, ladder] if ladder is not None else [None])
+    without the ladder (where one is given), and with earlier complete runs of the family as prior
+    (where given): each one's effect, on the same runs."""
+    priors = [("no", {}), *([("yes", {"ladder": ladder})] if ladder is not None else []),
+              *([("earlier runs", {"earlier": earlier})] if earlier is not None else [])]
+    combos = [(probes, name, given) for name, given in priors
               for probes in ([False, True] if any(r.probes for r in runs) else [False])]
     lines = ["| probes | ladder | " + " | ".join(f"{p}%: mean abs error, within goal, interval held" for p in ("10", "25", "50"))
              + " |", "|---|---|---|---|---|"]
     out: dict[str, list[dict[str, Any]]] = {}
-    for probes, lad in combos:
-        rows = evaluate(runs, multi_power=False, use_probes=probes, ladder=lad)
-        out[f"probes={'yes' if probes else 'no'},ladder={'yes' if lad else 'no'}"] = rows
+    for probes, lad, given in combos:
+        rows = evaluate(runs, multi_power=False, use_probes=probes, **given)
+        out[f"probes={'yes' if probes else 'no'},ladder={lad}"] = rows
         cells = []
         for p in ("10", "25", "50"):
             made = [r[p] for r in rows if r[p] is not None]
@@ -420,7 +500,7 @@ def compare(runs: list[RunCurve], ladder: dict[str, Any] | None) -> tuple[str, d
                          f"{np.mean([abs(f['error']) for f in made]):.3f} ({len(made)} runs), "
                          f"{sum(abs(f['error']) <= ACCURACY_GOAL[p] for f in made)}/{len(made)} within {ACCURACY_GOAL[p]:g}, "
                          f"{sum(f['hit'] for f in made)}/{len(made)}")
-        lines.append(f"| {'yes' if probes else 'no'} | {'yes' if lad else 'no'} | " + " | ".join(cells) + " |")
+        lines.append(f"| {'yes' if probes else 'no'} | {lad} | " + " | ".join(cells) + " |")
     return "\n".join(lines), out
 
 
@@ -435,8 +515,13 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--ladder", type=Path, metavar="LADDER.json",
                     help="with this ladder as prior: its prediction for each run (x1_common.scaling.predict at the "
                          "run's parameters and tokens) and its rungs' shape priors in place of the other runs'")
+    ev.add_argument("--earlier-runs", type=Path, metavar="CURVES.json",
+                    help="earlier complete runs of the same family (model, tokens per step, peak lr) as each run's "
+                         "prior: their one law's prediction and its leave-one-out spread. It may be CURVES itself: "
+                         "a run is never among its own earlier runs (by name)")
     ev.add_argument("--compare", action="store_true",
-                    help="one summary row each with and without the probes and the ladder (no per-run table)")
+                    help="one summary row each with and without the probes, the ladder and the earlier runs "
+                         "(no per-run table)")
     ev.add_argument("--no-multi-power", action="store_true", help="leave out the multi-power law's column (minutes)")
     ev.add_argument("--probe-areas", choices=PROBE_AREAS_CHOICES, default=PROBE_AREAS,
                     help=f"how a probe's end is placed on the law (default {PROBE_AREAS}; see PROBE_AREAS)")
@@ -450,17 +535,24 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_curves(args.curves)
         if args.cmd == "evaluate":
             ladder = read_json_object(args.ladder) if args.ladder else None
+            earlier = load_curves(args.earlier_runs) if args.earlier_runs else None
             if ladder is not None:
                 for run in runs:  # every run's prior is made before minutes of fitting: a bad ladder fails now
                     ladder_for(ladder, run)
+            if ladder is not None and earlier is not None and not args.compare:
+                raise ForecastError("--ladder and --earlier-runs are two priors: give one, or both with --compare")
+            for run in runs if earlier is not None else ():  # likewise a run of another family, or too few
+                refs = [r for r in earlier if r.name != run.name]
+                if len(refs) < 2 or any(_same_family(r, run) for r in refs):
+                    prior_from_runs(earlier, run)  # raises, naming what is wrong
             if args.compare:
-                table, out = compare(runs, ladder)
+                table, out = compare(runs, ladder, earlier)
                 print(table)
                 if args.json:
                     write_json_atomic(args.json, out)
                 return 0
             rows = evaluate(runs, multi_power=not args.no_multi_power, use_probes=not args.without_probes,
-                            ladder=ladder)
+                            ladder=ladder, earlier=earlier)
     except ForecastError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
