@@ -493,7 +493,7 @@ def test_earlier_runs_of_the_family_bring_a_run_of_another_length_within_the_goa
 
 
 @pytest.mark.parametrize("change, named", [
-    (lambda r: r.update(tokens_per_step=2000), "earlier run law-800 is not of run law-600's family: tokens_per_step"),
+    (lambda r: r.update(tokens_per_step=2000), "earlier run law-800 is not of law-600's family: tokens_per_step"),
     (lambda r: r.update(lr=1e-3), "peak lr 0.001 against this run's 0.0003"),
 ])
 def test_earlier_runs_of_another_family_are_refused_with_exit_2_naming_the_difference(tmp_path, capsys, change, named):
@@ -509,4 +509,42 @@ def test_earlier_runs_of_another_family_are_refused_with_exit_2_naming_the_diffe
     data["runs"] = data["runs"][:1]  # one earlier run: no spread to be had
     earlier.write_text(json.dumps(data))
     assert main(["evaluate", str(curves), "--earlier-runs", str(earlier), "--no-multi-power"]) == 2
-    assert "run law-600: 0 earlier complete run(s) of its family; 2 needed" in capsys.readouterr().err
+    assert "law-600: 0 earlier complete run(s) of its family; 2 needed" in capsys.readouterr().err
+
+
+def test_a_run_takes_earlier_complete_runs_of_its_family_as_its_forecasts_prior_and_refuses_others(tmp_path, tiny_data):
+    """Two finished tiny runs (20 and 30 steps, their run folders); a third of 40 steps with both as
+    --forecast-earlier-runs: its forecast line names the prior. One earlier run alone, or a folder of
+    another model, is refused with exit 2 before the model is built, naming what is wrong."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    folders = [tmp_path / f"run{total}" for total in (20, 30)]
+    procs = [subprocess.Popen([sys.executable, "-m", "x1_pretrain.train",  # each its own store: two writers at once
+                               *train_args(tiny_data, tmp_path / f"ckpt{total}", f"sqlite:///{tmp_path}/mlflow{total}.db",
+                                           "--run-dir", str(folder), total=total)],
+                              env=cli_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for total, folder in zip((20, 30), folders, strict=True)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()[-3000:]
+    manifest = json.loads((folders[0] / "manifest.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{16}", manifest["corpus_fingerprint"])
+
+    proc = run_module("x1_pretrain.train", *train_args(tiny_data, tmp_path / "ckpt40", uri, "--eval-every", "10",
+                                                       "--forecast-earlier-runs", *map(str, folders), total=40),
+                      timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "forecast: final val loss" in ln]
+    assert lines and all(ln.endswith("law lr-annealing, prior of 2 earlier runs") for ln in lines), lines
+
+    one = run_module("x1_pretrain.train", *train_args(tiny_data, tmp_path / "ckpt-one", uri, "--forecast-earlier-runs",
+                                                      str(folders[0]), total=40))
+    assert one.returncode == 2 and "this run: 1 earlier complete run(s) of its family; 2 needed" in one.stderr
+    other = run_module("x1_pretrain.train", *train_args(tiny_data, tmp_path / "ckpt-other", uri, "--set",
+                                                        "model.n_layer=1", "--forecast-earlier-runs", *map(str, folders),
+                                                        total=40))
+    assert other.returncode == 2 and "another model (model.n_layer 2 against this run's 1)" in other.stderr, other.stderr[-1500:]
+    assert not (tmp_path / "ckpt-other" / "final.safetensors").exists()

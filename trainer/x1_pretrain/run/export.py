@@ -282,6 +282,9 @@ def build_manifest(record: RunRecord, inputs: Inputs, events: list[dict[str, Any
         "mlflow": {"run_id": record.run_id, "run_name": record.run_name, "experiment": record.experiment_name,
                    "experiment_id": record.experiment_id, "status": record.status, "tracking_uri": safe_uri(record.uri)},
         "seed": seed,
+        # the corpus's fingerprint (x1_pretrain.train.provenance): a later run takes this one as its
+        # forecast's earlier run (--forecast-earlier-runs) only on the same corpus
+        "corpus_fingerprint": record.tags.get("x1.corpus_fingerprint"),
         "versions": versions_of(record),
         # each speed lever the config asked for: "on", or "off: why" (x1_pretrain.ops.levers)
         "levers": {k.removeprefix("x1.lever."): v for k, v in sorted(record.tags.items()) if k.startswith("x1.lever.")},

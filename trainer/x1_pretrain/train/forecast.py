@@ -274,7 +274,8 @@ class Forecast:
     train_points: int = 0
     reason: str = ""  # why there is no number
     probe_points: int = 0  # cooldown probes among the points (train.cooldown_probes)
-    ladder: bool = False  # combined with the ladder's prediction (LadderPrior)
+    ladder: bool = False  # combined with a prior's prediction (LadderPrior: the ladder's, or earlier runs')
+    prior_name: str = "ladder prior"  # which, in the line's words
 
     @property
     def ready(self) -> bool:
@@ -283,7 +284,7 @@ class Forecast:
     def sources(self) -> str:
         """What the forecast used besides its own curve: its probes, and the ladder or its absence."""
         probes = f" + {self.probe_points} probe{'s' if self.probe_points > 1 else ''}" if self.probe_points else ""
-        return f"{probes}, law {self.law}, {'ladder prior' if self.ladder else 'no ladder'}"
+        return f"{probes}, law {self.law}, {self.prior_name if self.ladder else 'no ladder'}"
 
     def line(self) -> str:
         if not self.ready:
@@ -452,7 +453,8 @@ def forecast(curve: Curve, schedule: Schedule, priors: Priors, step: int, ladder
     if ladder is not None:
         value, half = ladder.combine(value, half)
     return Forecast(step=step, total_steps=T, law=LAW, value=value, low=value - half, high=value + half,
-                    val_points=len(p.vs), train_points=len(p.ts), probe_points=len(p.probes), ladder=ladder is not None)
+                    val_points=len(p.vs), train_points=len(p.ts), probe_points=len(p.probes), ladder=ladder is not None,
+                    prior_name=ladder.name if ladder is not None else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,6 +472,7 @@ class LadderPrior:
     sd: float
     priors: Priors
     source: str  # where `mean` comes from, in words
+    name: str = "ladder prior"  # what the forecast line calls it
 
     def combine(self, value: float, half: float) -> tuple[float, float]:
         """The run's own forecast (value, 90% half-width) and the ladder's, weighted by the inverse of

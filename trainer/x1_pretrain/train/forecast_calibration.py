@@ -24,6 +24,7 @@ import numpy as np
 
 from x1_common import scaling
 from x1_common.fsutil import write_json_atomic
+from x1_pretrain.config import ModelConfig
 from x1_pretrain.train.forecast import (
     FRACTIONS,
     PROBE_AREAS,
@@ -391,18 +392,64 @@ def prior_from_runs(refs: list[RunCurve], run: RunCurve, use_probes: bool = True
     spread as its sd, and the shape priors fit_priors makes from the same runs. ForecastError names a
     run of another family, or too few."""
     refs = [r for r in refs if r.name != run.name]
-    for r in refs:
-        if differs := _same_family(r, run):
-            raise ForecastError(f"earlier run {r.name} is not of run {run.name}'s family: {differs}")
-    if len(refs) < 2:
-        raise ForecastError(f"run {run.name}: {len(refs)} earlier complete run(s) of its family; 2 needed for a "
-                            "prior and its spread")
+    check_family(refs, run)
     priors = fit_priors(refs, use_probes=use_probes, provenance={"earlier runs": [r.name for r in refs]})
     misses = [family_prediction(fit_family_law(refs[:j] + refs[j + 1:], priors.memory), r.schedule, priors.memory)
               - r.final for j, r in enumerate(refs)]
     sd = max(float(np.sqrt(np.mean(np.square(misses)))), 0.01)
     mean = family_prediction(fit_family_law(refs, priors.memory), run.schedule, priors.memory)
-    return LadderPrior(mean=mean, sd=sd, priors=priors, source=f"the law of {len(refs)} earlier complete runs of this family")
+    return LadderPrior(mean=mean, sd=sd, priors=priors, source=f"the law of {len(refs)} earlier complete runs of this family",
+                       name=f"prior of {len(refs)} earlier runs")
+
+
+def check_family(refs: list[RunCurve], run: RunCurve) -> None:
+    """ForecastError unless there are two earlier runs or more, each of the run's family."""
+    for r in refs:
+        if differs := _same_family(r, run):
+            raise ForecastError(f"earlier run {r.name} is not of {run.name}'s family: {differs}")
+    if len(refs) < 2:
+        raise ForecastError(f"{run.name}: {len(refs)} earlier complete run(s) of its family; 2 needed for a "
+                            "prior and its spread")
+
+
+def earlier_run(folder: Path, model: ModelConfig, corpus: dict[str, Any], n_params: float) -> RunCurve:
+    """A finished run's folder (--run-dir: its manifest.json and metrics.csv) as a complete curve of
+    val points, checked to be of this run's model and corpus; ForecastError names what differs."""
+    import csv
+
+    from x1_pretrain.train.provenance import same_corpus
+
+    manifest = read_json_object(folder / "manifest.json")
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    theirs = config.get("model") if isinstance(config.get("model"), dict) else {}
+    # Compared as the trainer logs them (str of each value): a manifest's config may be MLflow's
+    # params, strings, where the checkpoint that held it typed is gone.
+    ours = {k: str(v) for k, v in model.model_dump().items()}
+    theirs = {k: str(v) for k, v in theirs.items()}
+    if differs := sorted(k for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)):
+        raise ForecastError(f"{folder}: another model (model.{differs[0]} {theirs.get(differs[0])} against this "
+                            f"run's {ours.get(differs[0])})")
+    if not same_corpus(manifest.get("corpus_fingerprint"), corpus):
+        raise ForecastError(f"{folder}: trained on another corpus (fingerprint {manifest.get('corpus_fingerprint')}, "
+                            f"this run's {corpus['fingerprint']})")
+    try:
+        train, optim = config["train"], config["optim"]
+        schedule = Schedule(lr=float(optim["lr"]), min_lr=float(optim["min_lr"]), warmup_steps=int(optim["warmup_steps"]),
+                            total_steps=int(train["total_steps"]))
+        tokens_per_step = int(train["tokens_per_step"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ForecastError(f"{folder}/manifest.json: no usable config.train / config.optim ({e})") from None
+    try:
+        with open(folder / "metrics.csv", newline="") as f:
+            val = sorted((int(r["step"]), float(r["value"])) for r in csv.DictReader(f) if r["name"] == "val_loss")
+    except (OSError, KeyError, ValueError) as e:
+        raise ForecastError(f"{folder}/metrics.csv: cannot be read ({type(e).__name__}: {e})") from None
+    val = [(s, v) for s, v in dict(val).items() if math.isfinite(v)]
+    if not val or val[-1][0] != schedule.total_steps:
+        last = val[-1][0] if val else "none"
+        raise ForecastError(f"{folder}: not a complete run (its last eval is at step {last} of {schedule.total_steps})")
+    return RunCurve(str(folder), schedule, np.zeros(0), np.array([s for s, _ in val], dtype=float),
+                    np.array([v for _, v in val]), n_params=n_params, tokens_per_step=tokens_per_step)
 
 
 def evaluate(runs: list[RunCurve], multi_power: bool = True, use_probes: bool = True,

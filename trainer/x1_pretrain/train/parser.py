@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--ladder", metavar="FILE",
                       help="a scaling ladder's ladder.json made on this run's corpus, tokenizer, context and model "
                            "family (python -m x1_pretrain.ladder): its prediction +- its tolerance is the run's band")
+    seed.add_argument("--forecast-earlier-runs", nargs="+", metavar="RUN_DIR",
+                      help="the run folders (--run-dir) of earlier complete runs of this run's family (the same "
+                           "model, tokens a step, peak lr and corpus; other lengths and warm-ups are fine), at least "
+                           "two: the forecast's prior is their one law's prediction for this run (docs/FORECAST.md). "
+                           "Instead of --ladder")
     seed.add_argument("--band", "--forecast-band", dest="forecast_band", type=float, nargs=2, metavar=("LO", "HI"),
                       help="the run's final val loss band when it has no ladder (default: the lab's 3.20 3.50). "
                            "Declared before the first step, kept by every resume; the definition of done, the "

@@ -54,8 +54,14 @@ from x1_pretrain.train.band import declared as declared_band
 from x1_pretrain.train.band import tag as band_tag
 from x1_pretrain.train.budget_guard import BudgetGuard, Pace
 from x1_pretrain.train.components import BatchStream, CompileWatch, DataOrConfigError, Run, StopSignal, Throughput
-from x1_pretrain.train.forecast import ForecastError, ForecastWatch
-from x1_pretrain.train.forecast_calibration import prior_from_ladder
+from x1_pretrain.train.forecast import ForecastError, ForecastWatch, Schedule
+from x1_pretrain.train.forecast_calibration import (
+    RunCurve,
+    check_family,
+    earlier_run,
+    prior_from_ladder,
+    prior_from_runs,
+)
 from x1_pretrain.train.lease import take_trainer_lease
 from x1_pretrain.train.loop import forward_backward
 from x1_pretrain.train.probes import CooldownProbes
@@ -85,11 +91,37 @@ def expected_throughput(cfg: RunConfig, device: torch.device, world_size: int) -
     return row.tokens_per_sec * world_size, f"plan's figure for {world_size}x {gpu} ({row.source})"
 
 
+def this_run_curve(cfg: RunConfig) -> RunCurve:
+    """This run as the earlier runs' family law sees it: its schedule, size and tokens a step."""
+    return RunCurve("this run", Schedule.from_config(cfg.optim, cfg.train.total_steps), np.zeros(0), np.zeros(0),
+                    np.zeros(0), n_params=float(param_counts(cfg.model)["total"]), tokens_per_step=cfg.train.tokens_per_step)
+
+
+def earlier_runs(args: argparse.Namespace, cfg: RunConfig, state: TrainerState,
+                 ladder: dict[str, Any] | None) -> list[RunCurve] | None:
+    """--forecast-earlier-runs: the folders of earlier complete runs of this run's family, read and
+    checked (same model, tokens a step, peak lr and corpus; at least two): the forecast's prior."""
+    if not getattr(args, "forecast_earlier_runs", None):
+        return None
+    if ladder is not None:
+        raise DataOrConfigError("--forecast-earlier-runs and --ladder are two priors for the forecast: give one")
+    try:
+        this = this_run_curve(cfg)
+        runs = [earlier_run(Path(f), cfg.model, state.corpus, this.n_params)
+                for f in args.forecast_earlier_runs]
+        check_family(runs, this)
+    except ForecastError as e:
+        raise DataOrConfigError(f"--forecast-earlier-runs: {e}") from None
+    return runs
+
+
 def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState, is_main: bool,
-                   band: tuple[float, float], ladder: dict[str, Any] | None = None):
+                   band: tuple[float, float], ladder: dict[str, Any] | None = None,
+                   earlier: list[RunCurve] | None = None):
     """The final-loss forecast (x1_pretrain.forecast), continuing the curve a checkpoint kept, judged
     against the run's declared band; with `ladder` (a ladder.json already checked to be this run's),
-    its prediction and shape priors."""
+    its prediction and shape priors; with `earlier` (complete runs of its family, earlier_runs), their
+    law's."""
     alerts = None
     if is_main:
         try:
@@ -101,6 +133,8 @@ def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState
         prior = None if ladder is None else prior_from_ladder(
             ladder, counts["total"], cfg.train.total_steps * cfg.train.tokens_per_step, counts["non_embedding"],
             flops_per_token(cfg.model))
+        if earlier is not None:
+            prior = prior_from_runs(earlier, this_run_curve(cfg))
         return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
                                      band=band, stop_outside=args.stop_when_forecast_misses_band,
                                      alerts=alerts, ladder=prior)
@@ -451,6 +485,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         raise DataOrConfigError(str(e)) from None
     if d.is_main:
         log_declared(band, state.declared_band, kept)
+    earlier = earlier_runs(args, cfg, state, ladder)  # before the model: a bad folder costs nothing
     if state.step >= cfg.train.total_steps and loaded is None:
         raise DataOrConfigError(f"train.total_steps: {cfg.train.total_steps} leaves nothing to train")
 
@@ -483,7 +518,8 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
     optimizer = build_optimizer(cfg, raw, loaded, d.device)
 
     sink = build_tracking(cfg, d, state, run_name=args.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-                          extra_tags={**lever_table.tags(), **band_tag(state.declared_band)})
+                          extra_tags={**lever_table.tags(), **band_tag(state.declared_band),
+                                      "x1.corpus_fingerprint": str(state.corpus.get("fingerprint"))})
     if guard.enabled and isinstance(sink, MetricsSink):
         sink.writes.on_first = lambda error: alert_in_background(guard.alerts, error)
     previous_heartbeat = sink.heartbeat.previous() if d.is_main else None  # before this process's first beat
@@ -534,7 +570,7 @@ def setup(args: argparse.Namespace, cfg: RunConfig, stop: StopSignal) -> Run | i
         measured_peak_tflops=args.measured_peak_tflops, pace=pace, floor=floor, floor_source=floor_source,
     )
     run.previous_heartbeat = previous_heartbeat
-    run.forecast = forecast_watch(args, cfg, state, d.is_main, (band.low, band.high), ladder)
+    run.forecast = forecast_watch(args, cfg, state, d.is_main, (band.low, band.high), ladder, earlier)
     run.probes = probes
     run.bf16_weights = bf16_weights(cfg, d, raw)
     if loaded is not None:
