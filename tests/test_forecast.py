@@ -548,3 +548,28 @@ def test_a_run_takes_earlier_complete_runs_of_its_family_as_its_forecasts_prior_
                                                         total=40))
     assert other.returncode == 2 and "another model (model.n_layer 2 against this run's 1)" in other.stderr, other.stderr[-1500:]
     assert not (tmp_path / "ckpt-other" / "final.safetensors").exists()
+
+
+def test_evaluate_runs_picks_runs_of_the_file_and_too_few_or_an_unknown_name_exits_2(tmp_path, capsys):
+    from x1_pretrain.train.forecast_calibration import main
+
+    curves = curves_file(tmp_path / "curves.json")
+    data = json.loads(curves.read_text())
+    data["runs"].append({**data["runs"][0], "name": "law-600-twin"})  # a twin: left out with --runs
+    curves.write_text(json.dumps(data))
+    out = tmp_path / "rows.json"
+    assert main(["evaluate", str(curves), "--runs", "law-600,law-800,law-1000", "--no-multi-power",
+                 "--json", str(out)]) == 0
+    assert [r["run"] for r in json.loads(out.read_text())] == ["law-600", "law-800", "law-1000"]
+    assert main(["evaluate", str(curves), "--runs", "law-600,law-9", "--json", str(tmp_path / "none.json")]) == 2
+    assert f"--runs: law-9 not in {curves}" in capsys.readouterr().err
+    # Leave-one-out priors need two other runs for each: two runs alone are refused, not a crash.
+    assert main(["evaluate", str(curves), "--runs", "law-600,law-800", "--json", str(tmp_path / "none.json")]) == 2
+    assert "2 runs: leave-one-out needs 3 at least" in capsys.readouterr().err
+    assert not (tmp_path / "none.json").exists()
+    data["runs"] = data["runs"][:1]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(data))
+    assert main(["fit-priors", str(one), "--output", str(tmp_path / "priors.json")]) == 2
+    assert "1 complete run(s): priors and their calibration need 2 at least" in capsys.readouterr().err
+    assert not (tmp_path / "priors.json").exists()

@@ -288,6 +288,8 @@ def fit_priors(runs: list[RunCurve], memories: tuple[float, ...] = (0.02, 0.1, 0
     and the interval's scale calibrated so that 90% of these runs' own forecasts at 10/25/50% hold
     their final value (each forecast made with priors from the other runs, with their probes when
     they have them and `use_probes`)."""
+    if len(runs) < 2:
+        raise ForecastError(f"{len(runs)} complete run(s): priors and their calibration need 2 at least")
     best = None
     for memory in memories:
         fits = [fit_complete(r, memory) for r in runs]
@@ -564,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
                          "run's parameters and tokens) and its rungs' shape priors in place of the other runs'")
     ev.add_argument("--earlier-runs", type=Path, metavar="CURVES.json",
                     help="earlier complete runs of the same family (model, tokens per step, peak lr) as each run's "
-                         "prior: their one law's prediction and its leave-one-out spread. It may be CURVES itself: "
-                         "a run is never among its own earlier runs (by name)")
+                         "prior: their one law's prediction and its leave-one-out spread. It may be CURVES itself (the "
+                         "runs --runs chose): a run is never among its own earlier runs (by name)")
+    ev.add_argument("--runs", metavar="NAMES", help="only these runs of CURVES (comma-separated names), e.g. to leave "
+                    "out a run's twin")
     ev.add_argument("--compare", action="store_true",
                     help="one summary row each with and without the probes, the ladder and the earlier runs "
                          "(no per-run table)")
@@ -580,12 +584,22 @@ def main(argv: list[str] | None = None) -> int:
         use_probe_areas(args.probe_areas)  # this process's evaluation only
     try:
         runs = load_curves(args.curves)
+        if args.cmd == "evaluate" and args.runs:
+            names = args.runs.split(",")
+            if unknown := sorted(set(names) - {r.name for r in runs}):
+                raise ForecastError(f"--runs: {', '.join(unknown)} not in {args.curves}")
+            runs = [r for r in runs if r.name in names]
         if args.cmd == "evaluate":
             ladder = read_json_object(args.ladder) if args.ladder else None
             earlier = load_curves(args.earlier_runs) if args.earlier_runs else None
+            if earlier is not None and args.earlier_runs.resolve() == args.curves.resolve():
+                earlier = runs  # CURVES itself: the same runs (--runs), each never its own earlier run
             if ladder is not None:
                 for run in runs:  # every run's prior is made before minutes of fitting: a bad ladder fails now
                     ladder_for(ladder, run)
+            if (args.compare or (ladder is None and earlier is None)) and len(runs) < 3:
+                raise ForecastError(f"{len(runs)} runs: leave-one-out needs 3 at least (each run's priors from the "
+                                    "others, and their interval's calibration from those others' own)")
             if ladder is not None and earlier is not None and not args.compare:
                 raise ForecastError("--ladder and --earlier-runs are two priors: give one, or both with --compare")
             for run in runs if earlier is not None else ():  # likewise a run of another family, or too few
@@ -613,10 +627,12 @@ def main(argv: list[str] | None = None) -> int:
                   "command": meta.get("command"), "runs": [r.name for r in runs], "model": meta.get("model"),
                   "tokens_per_step": meta.get("tokens_per_step"),
                   "how": "python -m x1_pretrain.forecast fit-priors " + str(args.curves)}
-    priors = fit_priors(runs, provenance=provenance)
-    tmp = args.output.with_name(f".{args.output.name}.tmp")
-    tmp.write_text(priors.to_json())
-    tmp.replace(args.output)
+    try:
+        priors = fit_priors(runs, provenance=provenance)
+    except ForecastError as e:
+        print(f"error: {args.curves}: {e}", file=sys.stderr)
+        return 2
+    write_json_atomic(args.output, json.loads(priors.to_json()))
     print(priors.to_json(), end="")
     return 0
 
