@@ -31,16 +31,18 @@ def test_plan_states_when_the_forecast_first_judges_the_run():
 
 
 def test_plan_states_the_forecasts_measured_accuracy_as_its_benchmark_files_hold_it():
-    # Each figure is the "no probes, no ladder" row of a held-out GPU table in docs/forecast-runs/.
-    from x1_pretrain.train.forecast_rule import MEASURED_ACCURACY
+    # Each figure is the "no probes, no ladder" row of a held-out GPU table in docs/forecast-runs/, or
+    # with earlier runs as prior its "no probes, earlier runs" row.
+    from x1_pretrain.train.forecast_rule import MEASURED_ACCURACY, MEASURED_WITH_EARLIER_RUNS
 
     proc = run_module("x1_pretrain.plan", *LAB_RUN, "--price-usd-per-hr", "1.10")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("forecast accuracy, measured"))
     assert "the aim is 0.05 at 25% and 0.03 at 50%" in line
-    for what, path, errors in MEASURED_ACCURACY:
-        row = next(x for x in (REPO / path).read_text().splitlines() if x.startswith("| no | no |"))
-        assert tuple(float(cell.split()[0]) for cell in row.strip("|").split("|")[2:5]) == errors, path
-        assert "/".join(f"{e:.2f}" for e in errors) + f" on {what}" in line
+    for rows, prefix in ((MEASURED_ACCURACY, "| no | no |"), (MEASURED_WITH_EARLIER_RUNS, "| no | earlier runs |")):
+        for what, path, errors in rows:
+            row = next(x for x in (REPO / path).read_text().splitlines() if x.startswith(prefix))
+            assert tuple(float(cell.split()[0]) for cell in row.strip("|").split("|")[2:5]) == errors, path
+            assert "/".join(f"{e:.2f}" for e in errors) + f" on {what}" in line
 
 
 def test_plan_refuses_with_78_above_the_max_price():
