@@ -5,8 +5,9 @@
 # repository root on the GPU machine, with the plain reference at $REFERENCE and the wheels the
 # machine lacks in .whl/, writing under $OUT:
 #   END=570 REFERENCE=.device/reference_50m.py OUT=out bash bench/forecast_fresh_call.sh
+# (NAMES=U1,U2,U4 runs fewer of them: a shorter call)
 source bench/device_env.sh
-B="python3 bench/ladder_accuracy.py"; W=/tmp/w; D=/tmp/d; NAMES=U1,U2,U3,U4,U5,U6
+B="python3 bench/ladder_accuracy.py"; W=/tmp/w; D=/tmp/d; NAMES=${NAMES:-U1,U2,U3,U4,U5,U6}
 corpus_and_reference "$D" "$W"
 timeout $(( $(left) - 15 )) $B targets --data $D --work $W --names $NAMES --probes 0.025,0.05,0.1 > $W/targets.txt 2>&1
 echo "U1-U6 done at ${SECONDS} s" >> "$OUT/env.txt"
