@@ -49,11 +49,14 @@ MEASURED_ACCURACY = (
     ("5 runs at d384 (2,500-9,000 steps)", "docs/forecast-runs/gpu-d384-long-compare.txt", (0.330, 0.259, 0.190)),
 )
 # The same with earlier complete runs of the family as the prior (--forecast-earlier-runs; each run's
-# earlier runs the others of its set, leave-one-out): the "no | earlier runs" row of each file.
+# earlier runs the others of its set, leave-one-out, or another set's): the "no | earlier runs" row
+# of each file.
 MEASURED_WITH_EARLIER_RUNS = (
     ("the first set", "docs/forecast-runs/gpu-50m-compare-earlier.txt", (0.043, 0.041, 0.030)),
     ("the second", "docs/forecast-runs/gpu-d384-compare-earlier.txt", (0.092, 0.088, 0.093)),
     ("the third", "docs/forecast-runs/gpu-d384-long-compare-earlier.txt", (0.031, 0.033, 0.030)),
+    ("a fourth, of another seed, with the third's runs as its earlier runs",
+     "docs/forecast-runs/gpu-d384-fresh-compare-earlier-from-long.txt", (0.077, 0.076, 0.071)),
 )
 # The accuracy asked of the forecast, mean |error| in nats at 25% and 50% of the run (10% has no goal of
 # its own: the 25% one, for scale). `forecast evaluate` counts its forecasts within it.
