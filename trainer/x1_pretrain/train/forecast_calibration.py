@@ -12,6 +12,7 @@ the trainer runs at every eval, is x1_pretrain.train.forecast.
 from __future__ import annotations
 
 import argparse
+import csv
 import functools
 import json
 import math
@@ -42,6 +43,7 @@ from x1_pretrain.train.forecast import (
     use_probe_areas,
 )
 from x1_pretrain.train.forecast_rule import ACCURACY_GOAL, MIN_POINTS, TRAIN_BINS
+from x1_pretrain.train.provenance import same_corpus
 
 # ---------------------------------------------------------------------------------------------
 # The ladder as prior: its prediction for this run, and shape priors fitted on its complete rungs
@@ -417,10 +419,6 @@ def check_family(refs: list[RunCurve], run: RunCurve) -> None:
 def earlier_run(folder: Path, model: ModelConfig, corpus: dict[str, Any], n_params: float) -> RunCurve:
     """A finished run's folder (--run-dir: its manifest.json and metrics.csv) as a complete curve of
     val points, checked to be of this run's model and corpus; ForecastError names what differs."""
-    import csv
-
-    from x1_pretrain.train.provenance import same_corpus
-
     manifest = read_json_object(folder / "manifest.json")
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     theirs = config.get("model") if isinstance(config.get("model"), dict) else {}
