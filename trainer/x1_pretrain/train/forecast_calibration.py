@@ -268,20 +268,8 @@ def load_curves(path: Path) -> list[RunCurve]:
 
 def fit_complete(run: RunCurve, memory: float) -> tuple[float, float]:
     """(C, alpha) of the whole curve, every parameter live: what a complete run says of the decay."""
-    from scipy.optimize import least_squares  # here: SciPy is 0.6 s of every trainer's start
-    S1, S2 = areas(run.schedule, memory)
-    first = max(run.schedule.warmup_steps, 1)
-    keep = run.val_steps >= first
-    vs, vl = run.val_steps[keep].astype(int), run.val[keep]
-
-    def residuals(theta):
-        L0, A, alpha, C = theta
-        return L0 + A * S1[vs] ** -alpha - C * S2[vs] - vl
-
-    x0 = [max(vl.min() - 1.0, 0.0), 5.0, 0.5, 0.0]
-    res = least_squares(residuals, x0, bounds=([0.0, 0.0, 0.01, 0.0], [vl.min(), np.inf, 3.0, np.inf]),
-                        x_scale="jac", max_nfev=5000)
-    return float(res.x[3]), float(res.x[2])
+    _, _, alpha, C = fit_family_law([run], memory, C0=0.0)
+    return float(C), float(alpha)
 
 
 def fit_priors(runs: list[RunCurve], memories: tuple[float, ...] = (0.02, 0.1, 0.3), provenance: dict | None = None,
@@ -359,8 +347,9 @@ def _family_points(runs: list[RunCurve], memory: float) -> tuple[np.ndarray, np.
     return np.concatenate(s1), np.concatenate(s2), np.concatenate(y)
 
 
-def fit_family_law(runs: list[RunCurve], memory: float) -> np.ndarray:
-    """(L0, A, alpha, C) of one law through every complete run's val points past its warm-up."""
+def fit_family_law(runs: list[RunCurve], memory: float, C0: float = 0.5) -> np.ndarray:
+    """(L0, A, alpha, C) of one law through every complete run's val points past its warm-up (of
+    one run: fit_complete), the fit started from C = C0."""
     from scipy.optimize import least_squares  # here: SciPy is 0.6 s of every trainer's start
     s1, s2, y = _family_points(runs, memory)
 
@@ -368,7 +357,7 @@ def fit_family_law(runs: list[RunCurve], memory: float) -> np.ndarray:
         L0, A, alpha, C = theta
         return L0 + A * s1 ** -alpha - C * s2 - y
 
-    res = least_squares(residuals, [max(y.min() - 1.0, 0.0), 5.0, 0.5, 0.5],
+    res = least_squares(residuals, [max(y.min() - 1.0, 0.0), 5.0, 0.5, C0],
                         bounds=([0.0, 0.0, 0.01, 0.0], [y.min(), np.inf, 3.0, np.inf]), x_scale="jac", max_nfev=5000)
     return res.x
 
@@ -601,9 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             if ladder is not None and earlier is not None and not args.compare:
                 raise ForecastError("--ladder and --earlier-runs are two priors: give one, or both with --compare")
             for run in runs if earlier is not None else ():  # likewise a run of another family, or too few
-                refs = [r for r in earlier if r.name != run.name]
-                if len(refs) < 2 or any(_same_family(r, run) for r in refs):
-                    prior_from_runs(earlier, run)  # raises, naming what is wrong
+                check_family([r for r in earlier if r.name != run.name], run)
             if args.compare:
                 table, out = compare(runs, ladder, earlier)
                 print(table)

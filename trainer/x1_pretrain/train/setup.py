@@ -130,10 +130,11 @@ def forecast_watch(args: argparse.Namespace, cfg: RunConfig, state: TrainerState
             raise ConfigError(f"alerts: {e}") from None
     try:
         counts = param_counts(cfg.model)
-        prior = None if ladder is None else prior_from_ladder(
-            ladder, counts["total"], cfg.train.total_steps * cfg.train.tokens_per_step, counts["non_embedding"],
-            flops_per_token(cfg.model))
-        if earlier is not None:
+        prior = None
+        if ladder is not None:
+            prior = prior_from_ladder(ladder, counts["total"], cfg.train.total_steps * cfg.train.tokens_per_step,
+                                      counts["non_embedding"], flops_per_token(cfg.model))
+        elif earlier is not None:  # earlier_runs refused the two together
             prior = prior_from_runs(earlier, this_run_curve(cfg))
         return ForecastWatch.for_run(cfg.optim, cfg.train.total_steps, cfg.train.log_every, state.forecast,
                                      band=band, stop_outside=args.stop_when_forecast_misses_band,
